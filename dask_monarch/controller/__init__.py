@@ -1,0 +1,24 @@
+"""Controller side of dask_monarch: session transport, meshes, remote functions, reductions, fetches."""
+
+from .attach import attach
+from .fetch import fetch_shard, inspect
+from .mesh import DeviceMesh, get_active_mesh, no_mesh
+from .reduce import reduce, reduce_
+from .remote import remote
+from .session import MonarchFuture, Session
+from .tensor import Tensor
+
+__all__ = [
+    "DeviceMesh",
+    "MonarchFuture",
+    "Session",
+    "Tensor",
+    "attach",
+    "fetch_shard",
+    "get_active_mesh",
+    "inspect",
+    "no_mesh",
+    "reduce",
+    "reduce_",
+    "remote",
+]

@@ -1,0 +1,134 @@
+"""``dask_monarch.attach``: connect a controller to a Dask cluster and get a ``DeviceMesh`` (spec §1 "Mesh").
+
+Ranks are assigned deterministically: workers sorted by host, then port. The controller registers dask_monarch's
+``SchedulerPlugin`` (rendezvous store, sessions) and ``WorkerPlugin`` (tensor workers); both are idempotent, so
+several controllers can share a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+
+from distributed import Client
+from distributed.comm import get_address_host_port
+
+from ..cluster import default_worker_count, start_local_cluster
+from ..protocol import Slice
+from ..scheduler import MonarchSchedulerPlugin
+from ..worker import MonarchWorkerPlugin
+from .mesh import DeviceMesh
+from .session import Session
+
+__all__ = ["attach"]
+
+
+def _sort_key(address: str):
+    try:
+        host, port = get_address_host_port(address)
+    except Exception:
+        return (address, 0)
+    return (host, port)
+
+
+def _check_dims(dims) -> tuple[list, list]:
+    names, sizes = [], []
+    for name, size in dict(dims).items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"dims: dimension names must be non-empty strings, got {name!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"dims: size of {name!r} must be a positive int, got {size!r}")
+        names.append(name)
+        sizes.append(size)
+    if not names:
+        raise ValueError("dims: give at least one dimension, e.g. {'workers': 2}")
+    return names, sizes
+
+
+def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
+           **session_options) -> DeviceMesh:
+    """Attach this program (the controller) to a Dask cluster and return its ``DeviceMesh``.
+
+    ``cluster``: a ``distributed.Client``, a scheduler address (``"tcp://host:8786"``), a cluster object with
+    ``scheduler_address``, or ``None`` for the embedded default (a ``LocalCluster``: one worker process per
+    GPU, else one per CPU core, or ``prod(dims)`` workers; stopped by ``mesh.exit()``).
+    ``dims``: ordered mapping of dimension names to sizes whose product is the number of workers used
+    (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
+    worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
+    ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``timeout`` (seconds) bounds
+    waiting for enough workers.
+
+    Raises ``ValueError`` for bad ``dims``/``workers`` (naming them), ``TimeoutError`` if too few workers join in
+    time, and ``RuntimeError`` if the scheduler cannot import dask_monarch.
+    """
+    names = sizes = None
+    if dims is not None:
+        names, sizes = _check_dims(dims)
+    want = math.prod(sizes) if sizes else (len(workers) if workers else None)
+    if workers is not None and sizes is not None and len(workers) != want:
+        raise ValueError(f"workers: {len(workers)} addresses given but dims {dict(dims)} need {want}")
+
+    closers = []
+    owns_client = False
+    if cluster is None:
+        local = start_local_cluster(want or default_worker_count())
+        closers.append(local.close)
+        client = Client(local, set_as_default=False)
+        owns_client = True
+    elif isinstance(cluster, Client):
+        client = cluster
+    elif isinstance(cluster, str):
+        client = Client(cluster, set_as_default=False, timeout=timeout)
+        owns_client = True
+    elif hasattr(cluster, "scheduler_address"):
+        client = Client(cluster, set_as_default=False, timeout=timeout)
+        owns_client = True
+    else:
+        raise TypeError(f"cluster must be a distributed.Client, a scheduler address or None, got {type(cluster).__name__}")
+    if owns_client:
+        closers.insert(0, client.close)
+
+    def close_all():
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                pass
+
+    try:
+        try:
+            client.register_plugin(MonarchSchedulerPlugin())
+        except (ImportError, ModuleNotFoundError, AttributeError) as e:
+            raise RuntimeError(
+                f"the Dask scheduler at {client.scheduler.address} cannot load dask_monarch ({e}); install "
+                "dask_monarch in the scheduler's environment"
+            ) from None
+        client.register_plugin(MonarchWorkerPlugin())
+        if workers is None:
+            if want:
+                client.wait_for_workers(want, timeout=timeout)
+            available = sorted(client.scheduler_info()["workers"], key=_sort_key)
+            if not available:
+                raise ValueError("the cluster has no workers")
+            workers = available[: want or len(available)]
+        else:
+            workers = list(workers)
+            known = set(client.scheduler_info()["workers"])
+            unknown = [w for w in workers if w not in known]
+            if unknown:
+                raise ValueError(f"workers: {unknown} are not workers of this cluster; it has {sorted(known)}")
+            if len(set(workers)) != len(workers):
+                raise ValueError(f"workers: duplicate addresses in {workers}")
+        if names is None:
+            names, sizes = ["workers"], [len(workers)]
+        session = Session(client, workers, comm_timeout=comm_timeout, **session_options)
+        client.sync(
+            client.scheduler.monarch_session_open,
+            session_id=session.id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
+        )
+        closers.insert(0, lambda: client.sync(client.scheduler.monarch_session_close, session_id=session.id))
+        mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
+        mesh._closer = close_all
+        return mesh
+    except BaseException:
+        close_all()
+        raise

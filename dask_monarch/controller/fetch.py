@@ -1,0 +1,98 @@
+"""``fetch_shard`` and ``inspect``: bring one rank's value to the controller (spec §1 "Fetch").
+
+A fetch sends ``SendValue`` (identity) to one rank, then ``RequestStatus`` to every rank; its future resolves
+once every rank has passed it, so a failure on any rank that the value depends on is known by then. Tensors
+arrive on CPU. A value that depends on a failed invocation raises ``RemoteException``.
+"""
+
+from __future__ import annotations
+
+from torch.utils._pytree import tree_flatten
+
+from ..exceptions import RemoteException
+from ..protocol import ArgsKwargs, SendValue
+from .mesh import DeviceMesh
+from .session import DEFAULT_STREAM, MonarchFuture
+from .tensor import Tensor
+
+__all__ = ["fetch_shard", "inspect"]
+
+
+class _Done(MonarchFuture):
+    def __init__(self, value):
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout=None):
+        return self._value
+
+
+def _rank_of(mesh: DeviceMesh, coords: dict) -> int:
+    unknown = sorted(set(coords) - set(mesh.names))
+    if unknown:
+        raise KeyError(f"{unknown} are not dimensions of the mesh; its dimensions are {list(mesh.names)}")
+    if not coords:
+        return mesh.ranks.get(0)
+    missing = [d for d in mesh.names if d not in coords]
+    if missing:
+        raise ValueError(f"fetch_shard: give a coordinate for every dimension of the mesh; missing {missing}")
+    index = []
+    for name, size in zip(mesh.names, mesh.ranks.sizes):
+        c = coords[name]
+        if not isinstance(c, int) or not 0 <= c < size:
+            raise IndexError(f"fetch_shard: coordinate {name}={c!r} out of range for size {size}")
+        index.append(c)
+    return mesh.ranks.location(index)
+
+
+def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
+    """Fetch the value of ``obj`` (a remote ``Tensor`` or a pytree holding them) on one rank.
+
+    The rank is given by ``shard`` (a dict dim -> coordinate) or keyword coordinates; by default the mesh's
+    first rank, otherwise every dim must be given. Returns a future whose ``result(timeout=None)`` gives ``obj``
+    with every remote tensor replaced by a CPU ``torch.Tensor``. Raises ``KeyError``/``ValueError``/
+    ``IndexError`` for bad coordinates; the future raises ``RemoteException`` if the value depends on a failed
+    invocation (on any rank), ``SessionError`` if the session failed.
+    """
+    coords = {**(shard or {}), **coords}
+    leaves, _ = tree_flatten(obj)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    if not tensors:
+        return _Done(obj)
+    mesh = tensors[0].mesh
+    for t in tensors[1:]:
+        if t.mesh._rank_list != mesh._rank_list:
+            raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")
+    rank = _rank_of(mesh, coords)
+    session = mesh._session
+    refs = [t.ref.id for t in tensors]
+    with session.lock:
+        session.check_ok()
+        seq = session.new_seq()
+        session.record(seq, defs=[], uses=refs, what="fetch_shard")
+        session.send(SendValue(seq, None, [], None, ArgsKwargs((obj,), {}), DEFAULT_STREAM), [rank])
+
+        def value():
+            answer = session.take_fetch_result(seq)
+            error = session.history.error_of(refs)
+            if error is not None:
+                session.history.consumed(error)
+                raise error
+            if answer is None:
+                raise RuntimeError(f"fetch_shard: rank {rank} answered Status but no FetchResult for seq {seq}")
+            if answer.error is not None:
+                for error in list(session.history.unconsumed.values()):
+                    if getattr(error, "seq", None) == seq:
+                        session.history.consumed(error)
+                        raise error
+                raise RemoteException(seq, rank, session.workers[rank], answer.error.backtrace, "fetch_shard")
+            return answer.value
+
+        return session.sync(f"fetch_shard (seq {seq}) from rank {rank}", on_done=value)
+
+
+def inspect(obj, shard: dict | None = None, **coords):
+    """``fetch_shard(obj, shard, **coords).result()`` (spec §1)."""
+    return fetch_shard(obj, shard, **coords).result()

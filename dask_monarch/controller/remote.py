@@ -1,0 +1,209 @@
+"""``remote(fn, propagate=...)``: call a function on every rank of a mesh (spec §1 "remote").
+
+The function is named by path when the workers can import it (torch ops, importable functions) and
+cloudpickled otherwise. Output shapes come from running ``propagate`` (default: the function itself) on fake
+tensors on the controller; inputs whose fake version changes are mutated, and every live alias of their
+storage is sent in ``mutates``. Each call is one ``CallFunction``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import cloudpickle
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
+from .mesh import DeviceMesh, get_active_mesh
+from .session import DEFAULT_STREAM
+from .tensor import Tensor
+
+__all__ = ["remote", "Remote", "function_of"]
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _importable_path(fn) -> str | None:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        return None
+    base = module.rsplit(".", 1)[-1]
+    if base.startswith("test_") or base.endswith("_test") or base == "conftest":
+        return None  # pytest modules are rarely importable on workers (spec §1: "not __main__/pytest")
+    obj = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if obj is not fn:
+        return None
+    return f"{module}.{qualname}"
+
+
+def function_of(fn):
+    """The ``ResolvableFunction`` for ``fn``: an ``OpOverload`` or dotted string -> ``FunctionPath``; an importable
+    function -> its path; anything else (lambdas, closures, ``__main__``, test modules) -> ``Cloudpickle``."""
+    if isinstance(fn, str):
+        if "." not in fn:
+            raise ValueError(f"remote function paths must be fully qualified, got {fn!r}")
+        return FunctionPath(fn)
+    if isinstance(fn, torch._ops.OpOverload):
+        return FunctionPath(f"torch.ops.{fn.namespace}.{fn._schema.name.split('::')[-1]}.{fn._overloadname}")
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return FunctionPath(f"torch.ops.{fn._qualified_op_name.replace('::', '.')}")
+    if not callable(fn):
+        raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
+    path = _importable_path(fn)
+    if path is not None:
+        return FunctionPath(path)
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and module.__name__ != "__main__":
+        cloudpickle.register_pickle_by_value(module)
+        try:
+            return Cloudpickle(cloudpickle.dumps(fn))
+        finally:
+            cloudpickle.unregister_pickle_by_value(module)
+    return Cloudpickle(cloudpickle.dumps(fn))
+
+
+def _local_callable(fn):
+    if not isinstance(fn, str):
+        return fn
+    if fn.startswith("torch."):
+        obj = torch
+        for part in fn.split(".")[1:]:
+            obj = getattr(obj, part)
+        return obj
+    module, _, attr = fn.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Remote:
+    """A function bound for remote execution; call it with tensors of a mesh (or under ``mesh.activate()``).
+
+    Returns the function's result with every tensor leaf replaced by a remote ``Tensor`` (other leaves are the
+    values ``propagate`` returned). Raises ``TypeError`` for a local ``torch.Tensor`` argument (LOCAL_TENSOR) or
+    tensors of different meshes (WRONG_MESH), and ``ValueError`` without a mesh.
+    """
+
+    def __init__(self, fn, propagate=None):
+        self._fn = fn
+        self._propagate = propagate
+        self._function = None
+        self.__name__ = getattr(fn, "__name__", str(fn))
+        functools.update_wrapper(self, fn, updated=()) if callable(fn) else None
+
+    @property
+    def function(self):
+        if self._function is None:
+            self._function = function_of(self._fn)
+        return self._function
+
+    def _shapes(self, args, kwargs):
+        if self._propagate == "inspect":
+            return None
+        fn = self._propagate if callable(self._propagate) else _local_callable(self._fn)
+        return fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        mesh = _mesh_of(leaves)
+        session = mesh._session
+        inputs = [x for x in leaves if isinstance(x, Tensor)]
+        for x in leaves:
+            if isinstance(x, DeviceMesh):
+                x.define_remotely()
+        fake_leaves = [x._fake if isinstance(x, Tensor) else x for x in leaves]
+        fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
+        versions = [t._fake._version for t in inputs]
+        with session.lock:
+            session.check_ok()
+            try:
+                with session.fake_mode:
+                    out = self._shapes(fake_args, fake_kwargs)
+            except Exception as e:
+                raise _with_hint(
+                    e,
+                    f"computing the output shapes of {self.__name__} on fake tensors failed ({e}); pass "
+                    "propagate= to remote() with a function that returns outputs of the right shapes",
+                ) from e
+            mutated = [t for t, v in zip(inputs, versions) if t._fake._version != v]
+            mutates = session.aliases_of(mutated)
+            out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
+            results, values = [], []
+            for leaf in out_leaves:
+                if isinstance(leaf, FakeTensor):
+                    t = Tensor(session.new_ref(), leaf, mesh, DEFAULT_STREAM)
+                    results.append(t.ref)
+                    values.append(t)
+                elif isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"propagate for {self.__name__} returned a real tensor; it must return fakes")
+                else:
+                    results.append(None)
+                    values.append(leaf)
+            seq = session.new_seq()
+            message = CallFunction(
+                seq, results, [t.ref for t in mutates], self.function, ArgsKwargs(tuple(args), dict(kwargs)),
+                DEFAULT_STREAM, [],
+            )
+            session.record(
+                seq,
+                defs=[r.id for r in results if r is not None] + [t.ref.id for t in mutates],
+                uses=[t.ref.id for t in inputs],
+                what=self.__name__,
+            )
+            session.send(message, mesh._rank_list)
+        return tree_unflatten(values, out_spec)
+
+    def __repr__(self) -> str:
+        return f"remote({self._fn!r})"
+
+
+def _with_hint(error: Exception, text: str) -> Exception:
+    try:
+        return type(error)(text)
+    except Exception:
+        return RuntimeError(text)
+
+
+def _mesh_of(leaves) -> DeviceMesh:
+    mesh = None
+    for x in leaves:
+        if isinstance(x, Tensor):
+            if mesh is None:
+                mesh = x.mesh
+            elif x.mesh is not mesh and x.mesh._rank_list != mesh._rank_list:
+                raise TypeError(
+                    f"WRONG_MESH: tensors of different meshes in one call: {mesh!r} and {x.mesh!r}"
+                )
+        elif isinstance(x, torch.Tensor):
+            raise TypeError(
+                "LOCAL_TENSOR: a local torch.Tensor was passed to a remote function; create it on the mesh "
+                f"(inside a remote function) instead (shape {tuple(x.shape)}, dtype {x.dtype})"
+            )
+    if mesh is None:
+        mesh = get_active_mesh()
+    if mesh is None:
+        for x in leaves:
+            if isinstance(x, DeviceMesh):
+                return x
+        raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
+    return mesh
+
+
+def remote(fn=None, *, propagate=None):
+    """Make ``fn`` callable on a mesh (Monarch's ``remote``). Usable as ``remote(fn)``, ``remote("pkg.mod.fn")``,
+    ``remote(torch.ops.aten.add.Tensor)`` or as a decorator ``@remote(propagate=...)``.
+
+    ``propagate``: None runs ``fn`` itself on fake tensors to learn output shapes; a callable is run instead
+    (it must return fake tensors of the output shapes, e.g. with ``torch.empty``); ``"inspect"`` means no
+    tensor outputs.
+    """
+    if fn is None:
+        return lambda f: Remote(f, propagate)
+    return Remote(fn, propagate)

@@ -1,0 +1,31 @@
+"""Errors the controller raises (spec §3 "Controller"; DESIGN.md "Decisions")."""
+
+from __future__ import annotations
+
+__all__ = ["RemoteException", "SessionError"]
+
+
+class RemoteException(Exception):
+    """A remote invocation failed. Raised when a value that depends on it is fetched, or at ``mesh.exit()`` if
+    nobody fetched one (spec §3).
+
+    Attributes: ``seq`` (the failing invocation), ``rank`` (the first rank that reported it), ``worker`` (its
+    Dask worker address), ``backtrace`` (the remote traceback text), ``function`` (what was called).
+    """
+
+    def __init__(self, seq: int, rank: int, worker: str, backtrace: str, function: str = ""):
+        self.seq = seq
+        self.rank = rank
+        self.worker = worker
+        self.backtrace = backtrace
+        self.function = function
+        what = f" {function}" if function else ""
+        super().__init__(f"remote invocation{what} (seq {seq}) failed on rank {rank} ({worker}):\n{backtrace}")
+
+    def __reduce__(self):
+        return (RemoteException, (self.seq, self.rank, self.worker, self.backtrace, self.function))
+
+
+class SessionError(RuntimeError):
+    """The session can no longer run: a fatal (class F) error on a worker, a worker that left the cluster, or a
+    wait that ran out of time. The message names the rank and worker. Other sessions are not affected."""

@@ -1,0 +1,590 @@
+"""Every ``WorkerMessage`` variant of the seed ``worker.rs`` and the ``ControllerMessage`` variants.
+
+Names and fields follow the seed; the behaviour of each is spec §2 (and §4, §5, §7 for borrows, comms and
+recordings). Each class validates its fields when constructed on the controller (``ProtocolError`` naming the
+message and the field); the worker calls :func:`validate` on what it receives, because unpickling does not
+construct through ``__init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .function import Cloudpickle, FunctionPath
+from .refs import Ref, StreamRef
+from .slice import Slice
+from .types import ArgsKwargs, Factory, ProtocolError, Reduction, StreamCreationMode, WorkerError
+from .wire_value import WireValue
+
+__all__ = [
+    # worker messages
+    "BackendNetworkInit",
+    "BackendNetworkPointToPointInit",
+    "BorrowCreate",
+    "BorrowDrop",
+    "BorrowFirstUse",
+    "BorrowLastUse",
+    "CallActorMethod",
+    "CallFunction",
+    "CallRecording",
+    "CommandGroup",
+    "CreateDeviceMesh",
+    "CreateRemoteProcessGroup",
+    "CreateStream",
+    "DefineRecording",
+    "DeleteRefs",
+    "Exit",
+    "GetRefUnitTestsOnly",
+    "PipeRecv",
+    "RecordingFormal",
+    "RecordingResult",
+    "Reduce",
+    "RequestStatus",
+    "SendResultOfActorCall",
+    "SendTensor",
+    "SendValue",
+    "SetRefUnitTestsOnly",
+    "SplitComm",
+    "SplitCommForProcessGroup",
+    "ActorCallParams",
+    "WORKER_MESSAGES",
+    "WorkerMessage",
+    # controller messages
+    "ControllerMessage",
+    "FetchResult",
+    "GetRefResult",
+    "RemoteFunctionFailed",
+    "SessionFailed",
+    "Status",
+    "validate",
+]
+
+
+# --------------------------------------------------------------------------------------------- field checks
+def _describe(value) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _fail(where: str, expected: str, value) -> None:
+    raise ProtocolError(f"{where}: expected {expected}, got {_describe(value)}")
+
+
+def _is_u64(v) -> bool:
+    return type(v) is int and 0 <= v < 1 << 64
+
+
+def _u64(where, v):
+    if not _is_u64(v):
+        _fail(where, "a non-negative int", v)
+
+
+def _bool(where, v):
+    if type(v) is not bool:
+        _fail(where, "a bool", v)
+
+
+def _ref(where, v):
+    if type(v) is not Ref:
+        _fail(where, "a Ref", v)
+
+
+def _opt_ref(where, v):
+    if v is not None and type(v) is not Ref:
+        _fail(where, "a Ref or None", v)
+
+
+def _stream(where, v):
+    if type(v) is not StreamRef:
+        _fail(where, "a StreamRef", v)
+
+
+def _list_of(check):
+    def _check(where, v):
+        if not isinstance(v, (list, tuple)):
+            _fail(where, "a list", v)
+        for i, item in enumerate(v):
+            check(f"{where}[{i}]", item)
+
+    return _check
+
+
+def _str(where, v):
+    if type(v) is not str:
+        _fail(where, "a str", v)
+
+
+def _instance(*types):
+    names = " or ".join(t.__name__ for t in types)
+
+    def _check(where, v):
+        if not isinstance(v, types):
+            _fail(where, f"a {names}", v)
+
+    return _check
+
+
+def _opt(check):
+    def _check(where, v):
+        if v is not None:
+            check(where, v)
+
+    return _check
+
+
+def _any(where, v):
+    pass
+
+
+def _dims(where, v):
+    _list_of(_str)(where, v)
+
+
+def _exit_error(where, v):
+    if v is None:
+        return
+    if not (isinstance(v, tuple) and len(v) == 2 and (v[0] is None or isinstance(v[0], str)) and isinstance(v[1], str)):
+        _fail(where, "None or a (actor id or None, message) tuple of str", v)
+
+
+def _commands(where, v):
+    if not isinstance(v, (list, tuple)):
+        _fail(where, "a list of WorkerMessage", v)
+    for i, item in enumerate(v):
+        if type(item) not in WORKER_MESSAGES:
+            _fail(f"{where}[{i}]", "a WorkerMessage", item)
+        validate(item, f"{where}[{i}]")
+
+
+def _broker_id(where, v):
+    if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and _is_u64(v[1])):
+        _fail(where, "a (str, int) broker id", v)
+
+
+def _actor_call(where, v):
+    if type(v) is not ActorCallParams:
+        _fail(where, "ActorCallParams", v)
+    validate(v, where)
+
+
+_FUNCTION = _instance(FunctionPath, Cloudpickle)
+_REFS = _list_of(_ref)
+_OPT_REFS = _list_of(_opt_ref)
+
+# field type annotation (as written below) -> checker
+_CHECKS = {
+    "Seq": _u64,
+    "int": _u64,
+    "bool": _bool,
+    "Ref": _ref,
+    "Optional[Ref]": _opt_ref,
+    "list[Ref]": _REFS,
+    "list[Optional[Ref]]": _OPT_REFS,
+    "StreamRef": _stream,
+    "list[str]": _dims,
+    "str": _str,
+    "Slice": _instance(Slice),
+    "Factory": _instance(Factory),
+    "Reduction": _instance(Reduction),
+    "StreamCreationMode": _instance(StreamCreationMode),
+    "ResolvableFunction": _FUNCTION,
+    "Optional[ResolvableFunction]": _opt(_FUNCTION),
+    "ArgsKwargs": _instance(ArgsKwargs),
+    "WireValue": _instance(WireValue),
+    "list[WorkerMessage]": _commands,
+    "ExitError": _exit_error,
+    "BrokerId": _broker_id,
+    "ActorCallParams": _actor_call,
+    "Any": _any,
+    "WorkerError": _instance(WorkerError),
+}
+
+_FIELD_CHECKS: dict[type, tuple] = {}
+
+
+def validate(msg, where: str | None = None) -> None:
+    """Check every field of ``msg`` (a message dataclass); raise ``ProtocolError`` naming the first bad one."""
+    checks = _FIELD_CHECKS.get(type(msg))
+    if checks is None:
+        raise ProtocolError(f"{where or 'message'}: expected a WorkerMessage, got {_describe(msg)}")
+    prefix = where or type(msg).__name__
+    for name, check in checks:
+        try:
+            value = getattr(msg, name)
+        except AttributeError:
+            raise ProtocolError(f"{prefix}.{name}: missing") from None
+        check(f"{prefix}.{name}", value)
+
+
+def _message(cls):
+    """Make ``cls`` a slotted dataclass whose constructor validates its fields."""
+    cls = dataclass(slots=True)(cls)
+    _FIELD_CHECKS[cls] = tuple((f.name, _CHECKS[f.type]) for f in dataclasses.fields(cls))
+    return cls
+
+
+class _Validated:
+    __slots__ = ()
+
+    def __post_init__(self):
+        validate(self)
+
+
+# ---------------------------------------------------------------------------------------------- worker messages
+@_message
+class BackendNetworkInit(_Validated):
+    """Create the world communicator of this session, then one per existing stream in ascending stream order
+    (spec §5). ``unique_id`` is the rendezvous key (the analogue of Monarch's NCCL ``UniqueId``)."""
+
+    unique_id: str
+
+
+@_message
+class BackendNetworkPointToPointInit(_Validated):
+    """Create the send/recv communicator for ``(from_stream, to_stream)`` (spec §5)."""
+
+    from_stream: StreamRef
+    to_stream: StreamRef
+
+
+@_message
+class CallFunction(_Validated):
+    """Call ``function(*args, **kwargs)`` on ``stream``; store the flattened result's leaves in ``results``
+    (spec §2 "Computation")."""
+
+    seq: Seq
+    results: list[Optional[Ref]]
+    mutates: list[Ref]
+    function: ResolvableFunction
+    args_kwargs: ArgsKwargs
+    stream: StreamRef
+    remote_process_groups: list[Ref]
+
+
+@_message
+class CommandGroup(_Validated):
+    """Handle ``commands`` in order; the first fatal error aborts the rest (spec §2)."""
+
+    commands: list[WorkerMessage]
+
+
+@_message
+class CreateStream(_Validated):
+    """Start stream ``id`` (its own thread and ref table); an existing id is replaced (spec §2, §4)."""
+
+    id: StreamRef
+    stream_creation: StreamCreationMode
+
+
+@_message
+class CreateDeviceMesh(_Validated):
+    """Store the worker-side device mesh ``names`` x ``ranks`` under ``result`` (spec §2, §6)."""
+
+    result: Ref
+    names: list[str]
+    ranks: Slice
+
+
+@_message
+class CreateRemoteProcessGroup(_Validated):
+    """Store a process group over ``dims`` of ``device_mesh`` under ``result`` (spec §5)."""
+
+    result: Ref
+    device_mesh: Ref
+    dims: list[str]
+
+
+@_message
+class BorrowCreate(_Validated):
+    """Borrow ``tensor`` from ``from_stream`` into ``to_stream`` as ``result`` (spec §4)."""
+
+    result: Ref
+    borrow: int
+    tensor: Ref
+    from_stream: StreamRef
+    to_stream: StreamRef
+
+
+@_message
+class BorrowFirstUse(_Validated):
+    """First use of borrow ``borrow`` on the receiving stream (spec §4)."""
+
+    borrow: int
+
+
+@_message
+class BorrowLastUse(_Validated):
+    """Last use of borrow ``borrow`` on the receiving stream (spec §4)."""
+
+    borrow: int
+
+
+@_message
+class BorrowDrop(_Validated):
+    """Release borrow ``borrow`` on the lending stream (spec §4)."""
+
+    borrow: int
+
+
+@_message
+class DeleteRefs(_Validated):
+    """Drop ``refs`` from every stream's ref table; missing refs are ignored (spec §2)."""
+
+    refs: list[Ref]
+
+
+@_message
+class RequestStatus(_Validated):
+    """Answer ``Status{seq + 1}`` once every stream has drained what was queued before (spec §2)."""
+
+    seq: Seq
+    controller: bool
+
+
+@_message
+class Reduce(_Validated):
+    """Collective over ``dims`` of ``mesh`` on ``stream``: all-reduce, reduce-scatter, all-gather (stack) or
+    all-to-all (stack + scatter), into ``result`` (spec §5 table)."""
+
+    result: Ref
+    tensor: Ref
+    factory: Factory
+    mesh: Ref
+    stream: StreamRef
+    dims: list[str]
+    reduction: Reduction
+    scatter: bool
+    in_place: bool
+    out: Optional[Ref]
+
+
+@_message
+class SplitComm(_Validated):
+    """Create the communicator of ``(stream, sorted dims)`` of ``device_mesh`` (spec §5)."""
+
+    dims: list[str]
+    device_mesh: Ref
+    stream: StreamRef
+
+
+@_message
+class SplitCommForProcessGroup(_Validated):
+    """Create the communicator of a remote process group on ``stream`` (spec §5)."""
+
+    remote_process_group: Ref
+    stream: StreamRef
+
+
+@_message
+class SendTensor(_Validated):
+    """Point-to-point copy of ``tensor`` from ``from_ranks`` to ``to_ranks``, paired by row-major index (spec §5)."""
+
+    result: Ref
+    from_ranks: Slice
+    to_ranks: Slice
+    tensor: Ref
+    factory: Factory
+    from_stream: StreamRef
+    to_stream: StreamRef
+
+
+@_message
+class SendValue(_Validated):
+    """Send ``function(*args, **kwargs)`` (or ``args[0]`` without a function) to the controller as a
+    ``FetchResult`` (spec §2). ``destination`` (a pipe) is not supported."""
+
+    seq: Seq
+    destination: Optional[Ref]
+    mutates: list[Ref]
+    function: Optional[ResolvableFunction]
+    args_kwargs: ArgsKwargs
+    stream: StreamRef
+
+
+@_message
+class ActorCallParams(_Validated):
+    """Parameters of an actor call carrying tensors (seed ``ActorCallParams``)."""
+
+    seq: Seq
+    broker_id: BrokerId
+    local_state: list[Ref]
+    mutates: list[Ref]
+    stream: StreamRef
+
+
+@_message
+class SendResultOfActorCall(_Validated):
+    """Post ``local_state`` to a local actor and send its reply to the controller (spec §2)."""
+
+    params: ActorCallParams
+
+
+@_message
+class CallActorMethod(_Validated):
+    """Like ``SendResultOfActorCall``, storing the reply's leaves in ``results`` (spec §2)."""
+
+    results: list[Optional[Ref]]
+    call: ActorCallParams
+
+
+@_message
+class PipeRecv(_Validated):
+    """Receive a value from pipe ``pipe`` into ``results`` (removed in Monarch; a later issue)."""
+
+    seq: Seq
+    results: list[Optional[Ref]]
+    pipe: Ref
+    stream: StreamRef
+
+
+@_message
+class Exit(_Validated):
+    """Drain and stop every stream and end this session on the worker; ``error`` is ``None`` or
+    ``(actor id or None, message)`` (spec §2). The Dask worker process keeps running."""
+
+    error: ExitError = None
+
+
+@_message
+class DefineRecording(_Validated):
+    """Define (a chunk of) recording ``result`` made of ``commands`` (spec §7)."""
+
+    result: Ref
+    nresults: int
+    nformals: int
+    commands: list[WorkerMessage]
+    ntotal_messages: int
+    index: int
+
+
+@_message
+class RecordingFormal(_Validated):
+    """Input ``argument_index`` of the recording being defined, as ``result`` on ``stream`` (spec §7)."""
+
+    result: Ref
+    argument_index: int
+    stream: StreamRef
+
+
+@_message
+class RecordingResult(_Validated):
+    """Output ``output_index`` of the recording being defined, read from ``result`` on ``stream`` (spec §7)."""
+
+    result: Ref
+    output_index: int
+    stream: StreamRef
+
+
+@_message
+class CallRecording(_Validated):
+    """Replay ``recording`` with ``actuals`` as inputs, storing outputs in ``results`` (spec §7)."""
+
+    seq: Seq
+    recording: Ref
+    results: list[Ref]
+    actuals: list[Ref]
+
+
+@_message
+class SetRefUnitTestsOnly(_Validated):
+    """Test-only: store ``value`` (a ``WireValue``) in ``reference`` on ``stream`` (spec §2)."""
+
+    reference: Ref
+    value: WireValue
+    stream: StreamRef
+
+
+@_message
+class GetRefUnitTestsOnly(_Validated):
+    """Test-only: answer a ``GetRefResult`` with the value of ``value`` on ``stream`` (spec §2)."""
+
+    value: Ref
+    stream: StreamRef
+
+
+WORKER_MESSAGES = (
+    BackendNetworkInit,
+    BackendNetworkPointToPointInit,
+    CallFunction,
+    CommandGroup,
+    CreateStream,
+    CreateDeviceMesh,
+    CreateRemoteProcessGroup,
+    BorrowCreate,
+    BorrowFirstUse,
+    BorrowLastUse,
+    BorrowDrop,
+    DeleteRefs,
+    RequestStatus,
+    Reduce,
+    SplitComm,
+    SplitCommForProcessGroup,
+    SendTensor,
+    SendValue,
+    SendResultOfActorCall,
+    CallActorMethod,
+    PipeRecv,
+    Exit,
+    DefineRecording,
+    RecordingFormal,
+    RecordingResult,
+    CallRecording,
+    SetRefUnitTestsOnly,
+    GetRefUnitTestsOnly,
+)
+
+WorkerMessage = Any  # one of WORKER_MESSAGES
+
+
+# ------------------------------------------------------------------------------------------ controller messages
+@dataclass(slots=True)
+class RemoteFunctionFailed:
+    """A root failure of invocation ``seq`` on one rank (sent once per seq and rank; spec §3)."""
+
+    seq: int
+    error: WorkerError
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """The answer to ``SendValue`` ``seq``: ``value`` (tensors on CPU) or ``error`` (DESIGN.md "Decisions": a
+    failing ``SendValue`` answers with its error)."""
+
+    seq: int
+    value: Any = None
+    error: Optional[WorkerError] = None
+
+
+@dataclass(slots=True)
+class Status:
+    """Every message before ``RequestStatus{seq - 1}`` is done on this worker (``seq`` is the first incomplete
+    one; spec §2)."""
+
+    seq: int
+    worker_actor_id: str
+    controller: bool = False
+
+
+@dataclass(slots=True)
+class GetRefResult:
+    """Answer to ``GetRefUnitTestsOnly``: ``None`` if absent, ``error`` text if errored, else a ``WireValue``."""
+
+    ref: Ref
+    value: Optional[WireValue] = None
+    error: Optional[str] = None
+    present: bool = False
+
+
+@dataclass(slots=True)
+class SessionFailed:
+    """A fatal error (spec §2 class F) ended this session on one worker; the Dask worker keeps running
+    (DESIGN.md "Decisions"). The analogue of Monarch's supervision event."""
+
+    error: WorkerError
+
+
+ControllerMessage = Any  # RemoteFunctionFailed | FetchResult | Status | GetRefResult | SessionFailed

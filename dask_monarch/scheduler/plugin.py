@@ -1,0 +1,93 @@
+"""``MonarchSchedulerPlugin``: what dask_monarch keeps in the Dask scheduler (DESIGN.md "The picture").
+
+It holds the rendezvous key-value store that workers' ``SchedulerStore`` reaches through the ``monarch_kv_*``
+RPC handlers, and the table of live sessions (controller, mesh dims, ranks). The controller registers it when
+it attaches (``Client.register_plugin``), so the scheduler must be able to import dask_monarch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .kv import KeyValueStore
+
+__all__ = ["MonarchSchedulerPlugin", "PLUGIN_NAME"]
+
+PLUGIN_NAME = "dask-monarch"
+
+
+class MonarchSchedulerPlugin(SchedulerPlugin):
+    """Scheduler side of dask_monarch: rendezvous store and session table. Idempotent: registering it again
+    (a second controller) keeps the running instance."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self):
+        self.kv: KeyValueStore | None = None
+        self.sessions: dict[str, dict] = {}
+        self.scheduler = None
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.kv = KeyValueStore()
+        scheduler.handlers.update(
+            {
+                "monarch_kv_set": self.kv_set,
+                "monarch_kv_get": self.kv_get,
+                "monarch_kv_add": self.kv_add,
+                "monarch_kv_compare_set": self.kv_compare_set,
+                "monarch_kv_wait": self.kv_wait,
+                "monarch_kv_check": self.kv_check,
+                "monarch_kv_delete": self.kv_delete,
+                "monarch_kv_num_keys": self.kv_num_keys,
+                "monarch_session_open": self.session_open,
+                "monarch_session_close": self.session_close,
+                "monarch_sessions": self.list_sessions,
+            }
+        )
+
+    # ----------------------------------------------------------------------------------------- rendezvous store
+    async def kv_set(self, key: str, value: bytes) -> None:
+        await self.kv.set(key, value)
+
+    async def kv_get(self, key: str, timeout: float) -> bytes:
+        return await self.kv.get(key, timeout)
+
+    async def kv_add(self, key: str, amount: int) -> int:
+        return await self.kv.add(key, amount)
+
+    async def kv_compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return await self.kv.compare_set(key, expected, desired)
+
+    async def kv_wait(self, keys: list, timeout: float) -> None:
+        await self.kv.wait(keys, timeout)
+
+    def kv_check(self, keys: list) -> bool:
+        return self.kv.check(keys)
+
+    def kv_delete(self, key: str) -> bool:
+        return self.kv.delete(key)
+
+    def kv_num_keys(self) -> int:
+        return self.kv.num_keys()
+
+    # ------------------------------------------------------------------------------------------------ sessions
+    def session_open(self, session_id: str, client: str, dims: dict, workers: list) -> None:
+        """Record a session: its controller's client id, mesh ``dims`` (name -> size) and worker per rank."""
+        self.sessions[session_id] = {
+            "client": client,
+            "dims": dict(dims),
+            "workers": list(workers),
+            "started": time.time(),
+        }
+
+    def session_close(self, session_id: str) -> int:
+        """Forget a session and delete its rendezvous keys; returns the number of keys deleted."""
+        self.sessions.pop(session_id, None)
+        return self.kv.delete_prefix(f"{session_id}/")
+
+    def list_sessions(self) -> dict:
+        return {k: dict(v) for k, v in self.sessions.items()}

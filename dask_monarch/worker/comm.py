@@ -1,0 +1,187 @@
+"""Communicators of a session on one worker: ``torch.distributed`` process groups (gloo on CPU, NCCL on CUDA)
+built from a store in the Dask scheduler, and the collectives of ``Reduce`` (spec §5; DESIGN.md "Comms").
+
+No global default process group is used (two sessions in one worker process never collide): every group is a
+``ProcessGroup`` object built directly from its own ``PrefixStore``. Ranks in a group are ordered by ascending
+global rank, as NCCL's split does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..protocol import Reduction
+from .store import SchedulerStore
+
+__all__ = ["CommError", "Comms", "reduce"]
+
+
+class CommError(RuntimeError):
+    """A communicator could not be built, or a collective failed or timed out; the text names the peers."""
+
+
+_OPS = {
+    Reduction.Sum: dist.ReduceOp.SUM,
+    Reduction.Prod: dist.ReduceOp.PRODUCT,
+    Reduction.Min: dist.ReduceOp.MIN,
+    Reduction.Max: dist.ReduceOp.MAX,
+    Reduction.Avg: dist.ReduceOp.AVG,
+    Reduction.Band: dist.ReduceOp.BAND,
+    Reduction.Bor: dist.ReduceOp.BOR,
+    Reduction.Bxor: dist.ReduceOp.BXOR,
+}
+
+
+class Comms:
+    """The process groups of one session on one worker.
+
+    ``worker`` is the Dask worker (its scheduler connection carries the rendezvous store); ``rank`` and
+    ``world_size`` are this session's; ``timeout`` (seconds) bounds every rendezvous and collective;
+    ``device`` picks the backend (NCCL for CUDA, gloo otherwise).
+    """
+
+    def __init__(self, worker, rank: int, world_size: int, timeout: float, device: torch.device):
+        self.worker = worker
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.unique_id: str | None = None
+        self.world = None
+        self.groups: list = []
+        self._stores: list = []
+
+    def _store(self, prefix: str) -> dist.Store:
+        # keep the Python store alive: the C++ side holds it without its Python half otherwise (pybind11)
+        inner = SchedulerStore(self.worker, self.timeout)
+        self._stores.append(inner)
+        return dist.PrefixStore(prefix + "/", inner)
+
+    def _new_group(self, prefix: str, members: list[int]):
+        """Build the process group of global ranks ``members`` (this rank among them) under store ``prefix``."""
+        members = sorted(members)
+        group_rank = members.index(self.rank)
+        store = self._store(prefix)
+        store.set(f"joined/{group_rank}", b"1")
+        timeout = datetime.timedelta(seconds=self.timeout)
+        try:
+            if self.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                group = dist.ProcessGroupNCCL(store, group_rank, len(members), opts)
+            else:
+                opts = dist.ProcessGroupGloo._Options()
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_host(self.worker.address))]
+                opts._timeout = timeout
+                group = dist.ProcessGroupGloo(store, group_rank, len(members), opts)
+        except Exception as e:
+            missing = [
+                members[i] for i in range(len(members)) if not store.check([f"joined/{i}"])
+            ] if _check_quietly(store) else []
+            who = f"; ranks {missing} did not join" if missing else ""
+            raise CommError(
+                f"could not build the {self.backend} communicator of ranks {members} within {self.timeout:g} s{who}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        self.groups.append(group)
+        return group
+
+    def init_world(self, unique_id: str) -> None:
+        """``BackendNetworkInit``: the world communicator, warmed up with an all-reduce of ``zeros([1])``."""
+        self.unique_id = unique_id
+        self.world = self._new_group(f"{unique_id}/world", list(range(self.world_size)))
+        warm = torch.zeros([1], device=self.device)
+        _wait(self.world.allreduce([warm]), "warm-up all-reduce", list(range(self.world_size)))
+
+    def split(self, mesh_id: int, stream_id: int, dims: tuple, members: list[int]):
+        """``SplitComm``: the communicator of ``(stream, dims)`` of mesh ``mesh_id`` over global ranks
+        ``members``. Built only by members; the same key on every member makes the same group."""
+        key = f"{self.unique_id}/split/m{mesh_id}/s{stream_id}/{','.join(dims)}/{','.join(map(str, sorted(members)))}"
+        return self._new_group(key, members)
+
+    def shutdown(self) -> None:
+        """Release every process group (best effort: a group whose peer is gone may refuse)."""
+        for group in self.groups:
+            try:
+                group.shutdown() if hasattr(group, "shutdown") else None
+            except Exception:
+                pass
+        self.groups.clear()
+        self._stores.clear()
+        self.world = None
+
+
+def _check_quietly(store) -> bool:
+    try:
+        store.check(["joined/0"])
+        return True
+    except Exception:
+        return False
+
+
+def _host(address: str) -> str:
+    from distributed.comm import get_address_host
+
+    return get_address_host(address)
+
+
+def _wait(work, what: str, members) -> None:
+    try:
+        work.wait()
+    except Exception as e:
+        raise CommError(f"{what} among ranks {list(members)} failed: {type(e).__name__}: {e}") from None
+
+
+def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out):
+    """Run one ``Reduce`` row of spec §5 on ``group`` (``size`` ranks) and return the output tensor.
+
+    ``tensor`` is this rank's input (shape ``s``); ``out`` an optional output tensor of the exact output shape:
+    stack -> ``[size, *s]`` (all-gather), stack+scatter -> ``s`` (all-to-all), op -> ``s`` (all-reduce),
+    op+scatter -> ``s[1:]`` (reduce-scatter). Raises ``CommError`` for an unsupported combination, a backend
+    refusal, or a timeout.
+    """
+    members = f"a group of {size}"
+    try:
+        if reduction is Reduction.Stack:
+            if scatter:
+                src = tensor.contiguous()
+                if in_place:
+                    output, src = tensor, src.clone()
+                else:
+                    output = out if out is not None else torch.empty_like(src)
+                _wait(group.alltoall_base(output, src, [], []), "all-to-all", members)
+                return output
+            if in_place:
+                raise CommError("in-place, non-scatter not supported for stack reduce")
+            output = out if out is not None else tensor.new_empty((size, *tensor.shape))
+            _wait(group.allgather([list(output.unbind(0))], [tensor.contiguous()]), "all-gather", members)
+            return output
+        opts_op = _OPS[reduction]
+        if scatter:
+            if in_place:
+                raise CommError("in-place, scatter not supported for reduce")
+            output = out if out is not None else tensor.new_empty(tensor.shape[1:])
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = opts_op
+            _wait(group._reduce_scatter_base(output, tensor.contiguous(), opts), "reduce-scatter", members)
+            return output
+        if in_place:
+            output = tensor
+        elif out is not None:
+            output = out.copy_(tensor)
+        else:
+            output = tensor.clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = opts_op
+        _wait(group.allreduce([output], opts), "all-reduce", members)
+        return output
+    except CommError:
+        raise
+    except Exception as e:
+        backend = group.name() if hasattr(group, "name") else type(group).__name__
+        raise CommError(f"{backend} refused {reduction.value} (scatter={scatter}): {type(e).__name__}: {e}") from None

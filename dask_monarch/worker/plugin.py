@@ -1,0 +1,125 @@
+"""``MonarchWorkerPlugin`` and the task functions that carry controller messages to it
+(DESIGN.md "Seed concept -> Dask concept").
+
+The controller sends each worker its messages as pinned Dask tasks:
+
+* ``deliver_batch`` (key ``monarch-batch-...``, ``async``): hands a batch to the session's inbox and returns.
+* ``sync_batch`` (key ``monarch-sync-...``): hands its batch over (which ends with ``RequestStatus{seq}``),
+  secedes from the worker's thread pool so it never blocks other tasks, waits for ``Status{seq + 1}``, and
+  returns the pickled outbox (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``, ...).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import cloudpickle
+
+from distributed import get_worker, secede
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from ..protocol import FetchResult, SessionFailed, WorkerError
+from .tensor_worker import SessionParams, TensorWorker
+
+__all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "deliver_batch", "sync_batch"]
+
+PLUGIN_NAME = "dask-monarch"
+_CLOSED_MEMORY = 1024
+
+
+class MonarchWorkerPlugin(WorkerPlugin):
+    """Installs the tensor-worker state machine in a Dask worker: one ``TensorWorker`` per controller session,
+    created on the session's first task. Idempotent: a second controller's registration keeps this instance."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        self.worker = worker
+        self.sessions: dict[str, TensorWorker] = {}
+        self.closed: dict[str, None] = {}
+        self._lock = threading.Lock()
+
+    def teardown(self, worker) -> None:
+        for tw in list(self.sessions.values()):
+            tw.fail("the Dask worker is shutting down")
+            tw.close(join_timeout=1.0)
+
+    def tensor_worker(self, params) -> TensorWorker | None:
+        """The session's ``TensorWorker``, created on first use; None if the session already ended here."""
+        session_id = params[0]
+        tw = self.sessions.get(session_id)
+        if tw is not None:
+            return tw
+        with self._lock:
+            tw = self.sessions.get(session_id)
+            if tw is None and session_id not in self.closed:
+                session_id, rank, world_size, options = params
+                tw = TensorWorker(self.worker, session_id, rank, world_size, options, on_close=self._forget)
+                self.sessions[session_id] = tw
+            return tw
+
+    def _forget(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.pop(session_id, None)
+            self.closed[session_id] = None
+            while len(self.closed) > _CLOSED_MEMORY:
+                self.closed.pop(next(iter(self.closed)))
+
+
+def _plugin() -> MonarchWorkerPlugin:
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        raise RuntimeError(
+            f"dask_monarch's WorkerPlugin is not installed on worker {worker.address}; attach through "
+            "dask_monarch.attach(), which registers it"
+        )
+    return plugin
+
+
+async def deliver_batch(params: SessionParams, batch_seq: int, segments: list) -> int:
+    """Hand batch ``batch_seq`` (pickled message segments) to the session's inbox. Returns the message count
+    estimate of segments delivered (0 if the session already ended on this worker)."""
+    tw = _plugin().tensor_worker(params)
+    if tw is None:
+        return 0
+    tw.inbox.put(batch_seq, segments)
+    return len(segments)
+
+
+def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> bytes:
+    """Deliver batch ``batch_seq``, whose last message is ``RequestStatus{status_seq}`` (then ``Exit`` if
+    ``exit``), then wait (seceded) for ``Status{status_seq + 1}`` (and for the session to close if ``exit``) and
+    return the pickled list of controller messages collected so far."""
+    tw = _plugin().tensor_worker(params)
+    if tw is None:
+        worker = get_worker()
+        gone = SessionFailed(WorkerError(f"session {params[0]} already ended on this worker", worker.address))
+        return pickle.dumps([gone])
+    secede()
+    tw.inbox.put(batch_seq, segments)
+    tw.wait_status(status_seq)
+    if exit:
+        tw.wait_closed()
+    return _dumps_outbox(tw.drain(), tw.actor_id)
+
+
+def _dumps_outbox(messages: list, actor_id: str) -> bytes:
+    """Pickle the outbox; a fetched value that cannot be pickled becomes that fetch's error, nothing is lost."""
+    try:
+        return pickle.dumps(messages, protocol=5)
+    except Exception:
+        pass
+    safe = []
+    for msg in messages:
+        try:
+            cloudpickle.dumps(msg, protocol=5)
+        except Exception as e:
+            if not isinstance(msg, FetchResult):
+                raise
+            text = f"the fetched value of type {type(msg.value).__name__} cannot be pickled: {type(e).__name__}: {e}"
+            msg = FetchResult(msg.seq, error=WorkerError(text, actor_id))
+        safe.append(msg)
+    return cloudpickle.dumps(safe, protocol=5)

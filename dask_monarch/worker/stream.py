@@ -1,0 +1,304 @@
+"""``StreamWorker``: one logical stream of a session on one worker (spec §2, §4; seed ``StreamActor``).
+
+Each stream owns a thread, an ordered queue and its own ref table (``env``: ref id -> value or ``SeqError``).
+The dispatcher (``TensorWorker``) only enqueues; everything below runs on the stream's thread, in order.
+A handler that raises ``FatalError`` (or anything unexpected) fails the session (class F); value errors are
+stored in the target refs (class V) and reported once per root failure (spec §3).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..protocol import (
+    FetchResult,
+    FunctionPath,
+    GetRefResult,
+    Ref,
+    RemoteFunctionFailed,
+    StreamCreationMode,
+    StreamRef,
+    WireValue,
+    WorkerError,
+    resolve_function,
+)
+from ..protocol.function import TEST_PANIC
+from . import comm
+from .errors import DependentError, FatalError, SeqError
+
+__all__ = ["StreamWorker"]
+
+_MISSING = object()
+_STOP = object()
+_PLAIN = frozenset((int, float, bool, str, bytes, type(None), torch.Tensor, torch.dtype, torch.device))
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+class _ValueError(Exception):
+    """A value error whose text is the whole report (no Python traceback is useful)."""
+
+
+def _leaves(out) -> list:
+    """Leaves of a result, flattened with ``torch.utils._pytree`` with ``None`` as a leaf (spec §2 step 4)."""
+    if type(out) in _PLAIN:
+        return [out]
+    return tree_flatten(out, is_leaf=_is_none)[0]
+
+
+def _to_cpu(value):
+    """A copy of ``value`` whose tensors are detached CPU copies, safe to pickle later (spec §1 "Fetch")."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, value)
+
+
+class StreamWorker:
+    """Stream ``ref`` of ``tensor_worker``. ``creation`` is the ``StreamCreationMode`` (a CUDA stream on GPU
+    workers, in a later issue; CPU work runs on the thread)."""
+
+    def __init__(self, tensor_worker, ref: StreamRef, creation: StreamCreationMode):
+        self.tw = tensor_worker
+        self.ref = ref
+        self.creation = creation
+        self.env: dict = {}
+        self.pending: list = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.applied = 0
+        self.thread = threading.Thread(
+            target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
+        )
+        self.thread.start()
+
+    # ------------------------------------------------------------------ dispatcher side (one thread: the dispatcher)
+    def enqueue(self, handler, arg) -> None:
+        """Queue ``handler(arg)`` behind everything queued before; delivered at the next ``flush``."""
+        self.pending.append((handler, arg))
+
+    def flush(self) -> None:
+        if self.pending:
+            self._queue.put(self.pending)
+            self.pending = []
+
+    def stop(self) -> None:
+        """Stop after everything queued so far has run."""
+        self.flush()
+        self._queue.put(_STOP)
+
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------------------------------- stream thread
+    def _run(self) -> None:
+        tw = self.tw
+        get = self._queue.get
+        while True:
+            items = get()
+            if items is _STOP:
+                return
+            if tw.failure is not None:
+                continue
+            try:
+                for handler, arg in items:
+                    handler(arg)
+                self.applied += len(items)
+            except FatalError as e:
+                tw.fail(f"stream {self.ref.id}: {e}")
+            except BaseException:
+                tw.fail(f"stream {self.ref.id}: unexpected error\n{traceback.format_exc()}")
+
+    def _root_error(self, seq: int, text: str | None = None) -> SeqError:
+        """Record a root failure of ``seq`` and report ``RemoteFunctionFailed`` once (spec §3)."""
+        err = SeqError(seq, WorkerError(text or traceback.format_exc(), self.tw.actor_id))
+        self.tw.report(RemoteFunctionFailed(seq, err.error))
+        return err
+
+    def _lookup(self, ref_id: int, meshes: bool):
+        if meshes:
+            mesh = self.tw.device_meshes.get(ref_id)
+            if mesh is not None:
+                return mesh
+        value = self.env.get(ref_id, _MISSING)
+        if value is _MISSING:
+            raise _ValueError(f"ref not found: r{ref_id}")
+        if type(value) is SeqError:
+            raise DependentError(value)
+        return value
+
+    def _resolve(self, obj, meshes: bool):
+        """Replace every ``Ref`` leaf (or object with ``__monarch_ref__``) of ``obj`` by its value (spec §8)."""
+        t = type(obj)
+        if t is Ref:
+            return self._lookup(obj.id, meshes)
+        if t in _PLAIN:
+            return obj
+
+        def leaf(x):
+            if type(x) is Ref:
+                return self._lookup(x.id, meshes)
+            ref = getattr(x, "__monarch_ref__", None)
+            if ref is not None and not isinstance(x, type):
+                return self._lookup(ref(), meshes)
+            return x
+
+        return tree_map(leaf, obj)
+
+    def _resolve_args(self, args_kwargs, meshes: bool):
+        resolve = self._resolve
+        args = [resolve(a, meshes) for a in args_kwargs.args]
+        kwargs = {k: resolve(v, meshes) for k, v in args_kwargs.kwargs.items()} if args_kwargs.kwargs else {}
+        return args, kwargs
+
+    def _store_error(self, refs, err: SeqError) -> None:
+        env = self.env
+        for ref in refs:
+            if ref is not None:
+                env[ref.id] = err
+
+    # ----------------------------------------------------------------------------------------------- handlers
+    def call_function(self, msg) -> None:
+        """``CallFunction`` (spec §2 "Computation", steps 1-5)."""
+        try:
+            function = msg.function
+            if type(function) is FunctionPath and function.path == TEST_PANIC:
+                raise FatalError(f"CallFunction seq {msg.seq}: {TEST_PANIC} asked the stream to fail")
+            try:
+                fn = resolve_function(function)
+            except Exception as e:
+                raise _ValueError(
+                    f"invalid remote function: failed to resolve function {function!r}: {type(e).__name__}: {e}"
+                ) from None
+            args, kwargs = self._resolve_args(msg.args_kwargs, True)
+            leaves = _leaves(fn(*args, **kwargs))
+            results = msg.results
+            if len(leaves) != len(results):
+                raise _ValueError(
+                    f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
+                    f" (function {function!r})"
+                )
+            env = self.env
+            for ref, value in zip(results, leaves):
+                if ref is not None:
+                    if ref.id in env:
+                        raise FatalError(f"CallFunction seq {msg.seq}: Duplicate write to reference {ref}")
+                    env[ref.id] = value
+        except DependentError as e:
+            self._store_error(msg.results, e.root)
+            self._store_error(msg.mutates, e.root)
+        except FatalError:
+            raise
+        except _ValueError as e:
+            err = self._root_error(msg.seq, str(e))
+            self._store_error(msg.results, err)
+            self._store_error(msg.mutates, err)
+        except Exception:
+            err = self._root_error(msg.seq)
+            self._store_error(msg.results, err)
+            self._store_error(msg.mutates, err)
+
+    def send_value(self, msg) -> None:
+        """``SendValue``: answer ``FetchResult`` with the value or the error (DESIGN.md "Decisions")."""
+        if msg.destination is not None:
+            raise FatalError(f"SendValue seq {msg.seq}: destination {msg.destination} (pipes) is not supported")
+        try:
+            args, kwargs = self._resolve_args(msg.args_kwargs, msg.function is not None)
+            if msg.function is not None:
+                try:
+                    fn = resolve_function(msg.function)
+                except Exception as e:
+                    raise _ValueError(
+                        f"invalid remote function: failed to resolve function {msg.function!r}: "
+                        f"{type(e).__name__}: {e}"
+                    ) from None
+                value = fn(*args, **kwargs)
+            else:
+                if len(args) != 1 or kwargs:
+                    raise _ValueError(
+                        f"SendValue without a function takes exactly one argument, got {len(args)} and "
+                        f"{len(kwargs)} keyword arguments"
+                    )
+                value = args[0]
+            self.tw.report(FetchResult(msg.seq, value=_to_cpu(value)))
+        except DependentError as e:
+            self._store_error(msg.mutates, e.root)
+            self.tw.report(FetchResult(msg.seq, error=e.root.error))
+        except _ValueError as e:
+            err = self._root_error(msg.seq, str(e))
+            self._store_error(msg.mutates, err)
+            self.tw.report(FetchResult(msg.seq, error=err.error))
+        except Exception:
+            err = self._root_error(msg.seq)
+            self._store_error(msg.mutates, err)
+            self.tw.report(FetchResult(msg.seq, error=err.error))
+
+    def delete_refs(self, refs) -> None:
+        """``DeleteRefs``: drop what this stream has; missing refs are ignored (spec §2)."""
+        pop = self.env.pop
+        for ref in refs:
+            pop(ref.id, None)
+
+    def set_ref(self, msg) -> None:
+        """``SetRefUnitTestsOnly``."""
+        self.env[msg.reference.id] = msg.value.to_python()
+
+    def get_ref(self, msg) -> None:
+        """``GetRefUnitTestsOnly``: absent -> ``present=False``; errored -> error text; else a ``WireValue``."""
+        value = self.env.get(msg.value.id, _MISSING)
+        if value is _MISSING:
+            reply = GetRefResult(msg.value)
+        elif type(value) is SeqError:
+            reply = GetRefResult(msg.value, error=str(value), present=True)
+        else:
+            reply = GetRefResult(msg.value, value=WireValue.for_reply(value), present=True)
+        self.tw.report(reply)
+
+    def reduce(self, msg) -> None:
+        """``Reduce`` (spec §5 table). An errored input or ``out`` takes part as zeros, so peers never deadlock,
+        and the result carries the error (DESIGN.md "Decisions")."""
+        mesh = self.tw.device_meshes.get(msg.mesh.id)
+        if mesh is None:
+            raise FatalError(f"Reduce: unknown device mesh {msg.mesh}")
+        dims = tuple(sorted(msg.dims))
+        for d in dims:
+            if d not in mesh.dims:
+                raise FatalError(f"Reduce: unknown mesh dimension {d!r}; mesh {msg.mesh} has dims {mesh.names}")
+        entry = mesh.comms.get((self.ref.id, dims))
+        if entry is None:
+            raise FatalError(
+                f"Reduce: no comm found for stream {self.ref.id} and dims {dims} of mesh {msg.mesh}:"
+                " SplitComm (and BackendNetworkInit) must come first"
+            )
+        size, group = entry
+        env = self.env
+        error = None
+        value = env.get(msg.tensor.id, _MISSING)
+        if value is _MISSING:
+            raise FatalError(f"Reduce.tensor: ref not found: {msg.tensor}")
+        device = self.tw.device
+        if type(value) is SeqError:
+            error, value = value, msg.factory.zeros(device)
+        out = None
+        if msg.out is not None:
+            out = env.get(msg.out.id, _MISSING)
+            if out is _MISSING:
+                raise FatalError(f"Reduce.out: ref not found: {msg.out}")
+            if type(out) is SeqError:
+                error, out = error or out, None
+        try:
+            output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out)
+        except comm.CommError as e:
+            raise FatalError(f"Reduce over {dims} (result {msg.result}): {e}") from None
+        if msg.result.id in env and msg.result.id not in (msg.tensor.id, getattr(msg.out, "id", None)):
+            raise FatalError(f"Reduce: Duplicate write to reference {msg.result}")
+        env[msg.result.id] = error if error is not None else output
+
+    def status_marker(self, barrier) -> None:
+        """Arrive at a ``RequestStatus`` barrier once everything queued before it has run."""
+        barrier.arrive()

@@ -1,0 +1,358 @@
+"""``TensorWorker``: the tensor-worker state machine of one controller session on one Dask worker
+(seed ``WorkerActor`` in ``lib.rs``; spec §2).
+
+Batches arrive through the ``Inbox`` in the controller's order. One dispatcher thread unpickles them and applies
+each message with the handler named after it (``CallFunction`` -> ``call_function``, ...). Handlers that belong to
+a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. Answers for the
+controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox, which the
+``monarch-sync`` tasks drain.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pickle
+import threading
+import traceback
+
+import torch
+
+from ..protocol import (
+    BackendNetworkInit,
+    BackendNetworkPointToPointInit,
+    BorrowCreate,
+    BorrowDrop,
+    BorrowFirstUse,
+    BorrowLastUse,
+    CallActorMethod,
+    CallFunction,
+    CallRecording,
+    CommandGroup,
+    CreateDeviceMesh,
+    CreateRemoteProcessGroup,
+    CreateStream,
+    DefineRecording,
+    DeleteRefs,
+    Exit,
+    GetRefUnitTestsOnly,
+    PipeRecv,
+    ProtocolError,
+    RecordingFormal,
+    RecordingResult,
+    Reduce,
+    RequestStatus,
+    SendResultOfActorCall,
+    SendTensor,
+    SendValue,
+    SessionFailed,
+    SetRefUnitTestsOnly,
+    SplitComm,
+    SplitCommForProcessGroup,
+    Status,
+    StreamRef,
+    WorkerError,
+    validate,
+)
+from .comm import CommError, Comms
+from .device_mesh import DeviceMesh, MeshError
+from .errors import FatalError, NotImplementedYet
+from .inbox import Inbox
+from .stream import StreamWorker
+
+__all__ = ["TensorWorker", "SessionParams"]
+
+logger = logging.getLogger("dask_monarch.worker")
+
+
+class SessionParams(tuple):
+    """``(session_id, rank, world_size, options)`` as carried by every task of a session. ``options`` is a dict:
+    ``comm_timeout`` (seconds, default 300) bounds rendezvous and collectives."""
+
+    __slots__ = ()
+
+    def __new__(cls, session_id: str, rank: int, world_size: int, options: dict | None = None):
+        return super().__new__(cls, (session_id, rank, world_size, dict(options or {})))
+
+    def __reduce__(self):
+        return (SessionParams, tuple(self))
+
+
+class _StatusBarrier:
+    """Counts streams down to a ``RequestStatus``; the last one to arrive emits ``Status{seq + 1}``."""
+
+    __slots__ = ("tw", "seq", "controller", "remaining", "lock")
+
+    def __init__(self, tw: "TensorWorker", seq: int, controller: bool, count: int):
+        self.tw = tw
+        self.seq = seq
+        self.controller = controller
+        self.remaining = count
+        self.lock = threading.Lock()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.remaining -= 1
+            done = self.remaining == 0
+        if done:
+            self.tw.emit_status(self.seq, self.controller)
+
+
+class TensorWorker:
+    """State of session ``session_id`` as rank ``rank`` of ``world_size`` on Dask ``worker``.
+
+    ``on_close`` is called (with the session id) once the session has stopped on this worker.
+    """
+
+    def __init__(self, worker, session_id: str, rank: int, world_size: int, options: dict | None = None,
+                 on_close=None):
+        options = dict(options or {})
+        self.worker = worker
+        self.session_id = session_id
+        self.rank = rank
+        self.world_size = world_size
+        address = getattr(worker, "address", "local")
+        self.actor_id = f"{address}/{session_id[:8]}/rank{rank}"
+        self.device = torch.device("cpu")
+        self.streams: dict[int, StreamWorker] = {}
+        self.device_meshes: dict[int, DeviceMesh] = {}
+        self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
+        self.inbox = Inbox()
+        self.outbox: collections.deque = collections.deque()
+        self.failure: str | None = None
+        self.closed = False
+        self.completed_seq = 0
+        self.received = 0
+        self._cond = threading.Condition()
+        self._on_close = on_close
+        self._handlers = {
+            BackendNetworkInit: self.backend_network_init,
+            BackendNetworkPointToPointInit: self.not_implemented,
+            CallFunction: self.call_function,
+            CommandGroup: self.command_group,
+            CreateStream: self.create_stream,
+            CreateDeviceMesh: self.create_device_mesh,
+            CreateRemoteProcessGroup: self.not_implemented,
+            BorrowCreate: self.not_implemented,
+            BorrowFirstUse: self.not_implemented,
+            BorrowLastUse: self.not_implemented,
+            BorrowDrop: self.not_implemented,
+            DeleteRefs: self.delete_refs,
+            RequestStatus: self.request_status,
+            Reduce: self.reduce,
+            SplitComm: self.split_comm,
+            SplitCommForProcessGroup: self.not_implemented,
+            SendTensor: self.not_implemented,
+            SendValue: self.send_value,
+            SendResultOfActorCall: self.not_implemented,
+            CallActorMethod: self.not_implemented,
+            PipeRecv: self.not_implemented,
+            Exit: self.exit,
+            DefineRecording: self.not_implemented,
+            RecordingFormal: self.not_implemented,
+            RecordingResult: self.not_implemented,
+            CallRecording: self.not_implemented,
+            SetRefUnitTestsOnly: self.set_ref_unit_tests_only,
+            GetRefUnitTestsOnly: self.get_ref_unit_tests_only,
+        }
+        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_id[:8]}-dispatch", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------------------------------- dispatcher loop
+    def _run(self) -> None:
+        while True:
+            segments = self.inbox.get()
+            if segments is None:
+                return
+            if self.failure is not None or self.closed:
+                continue
+            try:
+                for segment in segments:
+                    try:
+                        messages = pickle.loads(segment)
+                    except Exception as e:
+                        raise FatalError(f"could not unpickle a message batch: {type(e).__name__}: {e}") from None
+                    self.received += len(messages)
+                    self.apply(messages)
+                    if self.closed:
+                        return
+            except FatalError as e:
+                self.fail(str(e))
+            except BaseException:
+                self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
+            finally:
+                self.flush_streams()
+
+    def apply(self, messages) -> None:
+        """Apply ``messages`` in order. A malformed message or a fatal error stops here (``FatalError``)."""
+        handlers = self._handlers
+        for msg in messages:
+            handler = handlers.get(type(msg))
+            try:
+                validate(msg)
+            except ProtocolError as e:
+                raise FatalError(f"malformed message: {e}") from None
+            handler(msg)
+            if self.failure is not None or self.closed:
+                return
+
+    def flush_streams(self) -> None:
+        for stream in self.streams.values():
+            stream.flush()
+
+    def _stream(self, ref: StreamRef, what: str) -> StreamWorker:
+        stream = self.streams.get(ref.id)
+        if stream is None:
+            raise FatalError(f"{what}: unknown stream {ref.id} (known streams: {sorted(self.streams)})")
+        return stream
+
+    # ------------------------------------------------------------------------------------------ answers, failure
+    def report(self, message) -> None:
+        """Queue a controller message (``RemoteFunctionFailed``, ``FetchResult``, ...) for the next sync task."""
+        self.outbox.append(message)
+
+    def drain(self) -> list:
+        out = []
+        pop = self.outbox.popleft
+        while True:
+            try:
+                out.append(pop())
+            except IndexError:
+                return out
+
+    def emit_status(self, seq: int, controller: bool = False) -> None:
+        self.report(Status(seq + 1, self.actor_id, controller))
+        with self._cond:
+            self.completed_seq = max(self.completed_seq, seq + 1)
+            self._cond.notify_all()
+
+    def wait_status(self, seq: int) -> None:
+        """Block until ``Status{seq + 1}`` was emitted, or the session failed or closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.completed_seq > seq or self.failure is not None or self.closed)
+
+    def wait_closed(self) -> None:
+        """Block until the session stopped on this worker (after ``Exit``) or failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.closed or self.failure is not None)
+
+    def fail(self, text: str) -> None:
+        """Fail the session on this worker (class F): report ``SessionFailed`` once, stop applying messages, and
+        release the communicators so peers blocked in a collective see an error instead of waiting."""
+        with self._cond:
+            if self.failure is not None:
+                return
+            self.failure = text
+            self.report(SessionFailed(WorkerError(text, self.actor_id)))
+            self._cond.notify_all()
+        logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
+        self.comms.shutdown()
+
+    def close(self, join_timeout: float = 10.0) -> None:
+        """Stop every stream (after what is queued), release comms, and forget the session."""
+        for stream in self.streams.values():
+            stream.stop()
+        for stream in self.streams.values():
+            stream.thread.join(join_timeout)
+        self.comms.shutdown()
+        self.inbox.close()
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        if self._on_close is not None:
+            self._on_close(self.session_id)
+
+    # ------------------------------------------------------------------------------------------------ handlers
+    def backend_network_init(self, msg: BackendNetworkInit) -> None:
+        """Build the world communicator (gloo on CPU, NCCL on CUDA) through the scheduler store (spec §5)."""
+        if self.comms.world is not None:
+            raise FatalError("BackendNetworkInit: the backend network is already initialized for this session")
+        try:
+            self.comms.init_world(msg.unique_id)
+        except CommError as e:
+            raise FatalError(f"BackendNetworkInit: {e}") from None
+
+    def split_comm(self, msg: SplitComm) -> None:
+        """Build the communicator of ``(stream, sorted dims)``; no-op without a world comm or on a rank that is
+        not in the mesh (spec §5)."""
+        if self.comms.world is None:
+            return
+        mesh = self.device_meshes.get(msg.device_mesh.id)
+        if mesh is None:
+            return
+        self._stream(msg.stream, "SplitComm")
+        dims = tuple(sorted(msg.dims))
+        key = (msg.stream.id, dims)
+        if key in mesh.comms:
+            raise FatalError(f"SplitComm: a comm already exists for stream {msg.stream.id} and dims {dims}")
+        try:
+            members = mesh.get_ranks_for_dim_slice(dims)
+            group = self.comms.split(msg.device_mesh.id, msg.stream.id, dims, members) if len(members) else None
+        except (MeshError, CommError) as e:
+            raise FatalError(f"SplitComm: {e}") from None
+        mesh.comms[key] = (len(members), group)
+
+    def call_function(self, msg: CallFunction) -> None:
+        stream = self._stream(msg.stream, f"CallFunction seq {msg.seq}")
+        stream.enqueue(stream.call_function, msg)
+
+    def send_value(self, msg: SendValue) -> None:
+        stream = self._stream(msg.stream, f"SendValue seq {msg.seq}")
+        stream.enqueue(stream.send_value, msg)
+
+    def reduce(self, msg: Reduce) -> None:
+        stream = self._stream(msg.stream, "Reduce")
+        stream.enqueue(stream.reduce, msg)
+
+    def command_group(self, msg: CommandGroup) -> None:
+        self.apply(msg.commands)
+
+    def create_stream(self, msg: CreateStream) -> None:
+        """Start stream ``id``; an existing one is stopped after its queued work and replaced (spec §2)."""
+        old = self.streams.pop(msg.id.id, None)
+        if old is not None:
+            old.stop()
+        self.streams[msg.id.id] = StreamWorker(self, msg.id, msg.stream_creation)
+
+    def create_device_mesh(self, msg: CreateDeviceMesh) -> None:
+        try:
+            self.device_meshes[msg.result.id] = DeviceMesh(msg.names, msg.ranks, self.rank)
+        except MeshError as e:
+            raise FatalError(str(e)) from None
+
+    def delete_refs(self, msg: DeleteRefs) -> None:
+        for ref in msg.refs:
+            self.device_meshes.pop(ref.id, None)
+        for stream in self.streams.values():
+            stream.enqueue(stream.delete_refs, msg.refs)
+
+    def request_status(self, msg: RequestStatus) -> None:
+        """``Status{seq + 1}`` once every stream has run what was queued before (spec §2). Non-blocking: each
+        stream arrives at a barrier; the last one emits."""
+        streams = list(self.streams.values())
+        if not streams:
+            self.emit_status(msg.seq, msg.controller)
+            return
+        barrier = _StatusBarrier(self, msg.seq, msg.controller, len(streams))
+        for stream in streams:
+            stream.enqueue(stream.status_marker, barrier)
+
+    def exit(self, msg: Exit) -> None:
+        """Drain and stop every stream and end the session on this worker; the Dask worker lives on."""
+        if msg.error is not None:
+            logger.warning("dask_monarch session %s rank %d exits with error: %s", self.session_id, self.rank,
+                           msg.error[1])
+        self.flush_streams()
+        self.close()
+
+    def set_ref_unit_tests_only(self, msg: SetRefUnitTestsOnly) -> None:
+        stream = self._stream(msg.stream, "SetRefUnitTestsOnly")
+        stream.enqueue(stream.set_ref, msg)
+
+    def get_ref_unit_tests_only(self, msg: GetRefUnitTestsOnly) -> None:
+        stream = self._stream(msg.stream, "GetRefUnitTestsOnly")
+        stream.enqueue(stream.get_ref, msg)
+
+    def not_implemented(self, msg) -> None:
+        """Variants a later issue implements: a clear fatal error, never a hang."""
+        raise NotImplementedYet(type(msg).__name__)
