@@ -118,7 +118,12 @@ class Session:
 
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``max_batch`` is the number of
     buffered messages that forces a flush; ``flush_interval`` (seconds) is how long a message may wait in the
-    buffer before the background flusher sends it.
+    buffer before the background flusher sends it; ``liveness_interval`` (seconds) is how often a waiting
+    fetch checks that the mesh's workers are alive; ``record_answers`` keeps every controller message received
+    in ``answers`` (for tests and debugging).
+
+    Low-level use (tests, tools): ``send(message, ranks)`` queues any ``WorkerMessage``; ``sync(...).result()``
+    waits until every rank has applied everything sent before.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class Session:
         max_batch: int = 4096,
         flush_interval: float = 0.005,
         liveness_interval: float = 1.0,
+        record_answers: bool = False,
     ):
         self.id = uuid.uuid4().hex
         self.client = client
@@ -155,6 +161,8 @@ class Session:
         self._waiters: list[tuple] = []  # (status seq, MonarchFuture, on_done)
         self._fetch_results: dict[int, FetchResult] = {}
         self.get_ref_results: deque = deque()
+        #: with ``record_answers``: every controller message received, as (rank, message), in arrival order
+        self.answers: deque | None = deque() if record_answers else None
         self.functions: dict[int, str] = {}  # seq -> description of what it called, while incomplete
         self.fake_mode = FakeTensorMode()
         self._storages: dict[int, weakref.WeakSet] = {}
@@ -390,6 +398,8 @@ class Session:
                 self._handle(rank, msg)
 
     def _handle(self, rank: int, msg) -> None:
+        if self.answers is not None:
+            self.answers.append((rank, msg))
         kind = type(msg)
         if kind is Status:
             if self.history.status(rank, msg.seq):
