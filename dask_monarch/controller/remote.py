@@ -29,25 +29,34 @@ def _is_none(x) -> bool:
     return x is None
 
 
+def _is_test_module(module: str) -> bool:
+    base = module.rsplit(".", 1)[-1]
+    return base.startswith("test_") or base.endswith("_test") or base == "conftest"
+
+
 def _importable_path(fn) -> str | None:
+    """``"module.qualname"`` if the workers can import ``fn`` by that name (spec §1: not ``__main__``, not a
+    pytest module, not a local function), else None."""
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
-    if not module or not qualname or module == "__main__" or "<" in qualname:
+    if not module or not qualname or module == "__main__" or "<" in qualname or _is_test_module(module):
         return None
-    base = module.rsplit(".", 1)[-1]
-    if base.startswith("test_") or base.endswith("_test") or base == "conftest":
-        return None  # pytest modules are rarely importable on workers (spec §1: "not __main__/pytest")
-    obj = sys.modules.get(module)
+    mod = sys.modules.get(module)
+    obj = mod
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
-    if obj is not fn:
-        return None
-    return f"{module}.{qualname}"
+    if obj is fn:
+        return f"{module}.{qualname}"
+    name = getattr(fn, "__name__", None)
+    if name and getattr(mod, name, None) is fn:  # builtins such as torch.zeros (qualname _VariableFunctionsClass.zeros)
+        return f"{module}.{name}"
+    return None
 
 
 def function_of(fn):
     """The ``ResolvableFunction`` for ``fn``: an ``OpOverload`` or dotted string -> ``FunctionPath``; an importable
-    function -> its path; anything else (lambdas, closures, ``__main__``, test modules) -> ``Cloudpickle``."""
+    function -> its path; anything else (lambdas, closures, ``__main__``, functions of pytest modules, which the
+    workers usually cannot import) -> ``Cloudpickle``, by value."""
     if isinstance(fn, str):
         if "." not in fn:
             raise ValueError(f"remote function paths must be fully qualified, got {fn!r}")
@@ -61,8 +70,9 @@ def function_of(fn):
     path = _importable_path(fn)
     if path is not None:
         return FunctionPath(path)
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    if module is not None and module.__name__ != "__main__":
+    module_name = getattr(fn, "__module__", None) or ""
+    module = sys.modules.get(module_name)
+    if module is not None and _is_test_module(module_name):
         cloudpickle.register_pickle_by_value(module)
         try:
             return Cloudpickle(cloudpickle.dumps(fn))

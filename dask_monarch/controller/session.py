@@ -40,7 +40,7 @@ from ..protocol import (
     StreamCreationMode,
     StreamRef,
 )
-from ..worker.plugin import deliver_batch, sync_batch
+from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
 from .history import History
 
@@ -93,7 +93,7 @@ class MonarchFuture:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self._describe} was not answered within {timeout:g} s: "
-                    f"{self._session.describe_pending(self.status_seq)}"
+                    f"{self._session.describe_pending(self.status_seq, diagnose=True)}"
                 )
 
     def exception(self, timeout: float | None = None):
@@ -347,10 +347,24 @@ class Session:
             self._flush_locked(seq, exit_after=exit_after)
             return future
 
-    def describe_pending(self, seq: int) -> str:
+    def describe_pending(self, seq: int, diagnose: bool = False) -> str:
+        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, what their workers report
+        about this session (inbox position, stream queues, failure)."""
         late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
         who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
-        return f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
+        text = f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
+        if diagnose and late:
+            try:
+                states = self.client.run(
+                    session_state, self.id, workers=[self.workers[r] for r in late], on_error="return"
+                )
+                sent = {self.workers[r]: self._batch_seq[r] for r in late}
+                text += "".join(
+                    f"\n  {addr}: {state!r}; batches sent to it: {sent.get(addr)}" for addr, state in states.items()
+                )
+            except Exception as e:
+                text += f"\n  (could not ask the workers: {type(e).__name__}: {e})"
+        return text
 
     def check_alive(self) -> None:
         """Raise ``SessionError`` if the session failed or a worker of the mesh left the cluster."""

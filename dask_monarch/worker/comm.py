@@ -166,9 +166,13 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             if in_place:
                 raise CommError("in-place, scatter not supported for reduce")
             output = out if out is not None else tensor.new_empty(tensor.shape[1:])
+            flat = output if output.is_contiguous() else output.contiguous()
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = opts_op
-            _wait(group._reduce_scatter_base(output, tensor.contiguous(), opts), "reduce-scatter", members)
+            work = group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts)
+            _wait(work, "reduce-scatter", members)
+            if flat is not output:
+                output.copy_(flat)
             return output
         if in_place:
             output = tensor

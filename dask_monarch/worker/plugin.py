@@ -68,6 +68,24 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 self.closed.pop(next(iter(self.closed)))
 
 
+def session_state(session_id: str, dask_worker=None) -> dict:
+    """What this worker knows of a session, for diagnosing a wait that ran out of time (run with
+    ``Client.run``): the inbox position, per-stream queues, the last status, the failure."""
+    plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
+    tw = plugin.sessions.get(session_id) if plugin is not None else None
+    if tw is None:
+        closed = plugin is not None and session_id in plugin.closed
+        return {"session": "closed" if closed else "unknown on this worker"}
+    return {
+        "next_batch": tw.inbox.next_batch,
+        "batches_held_back": tw.inbox.waiting(),
+        "messages_received": tw.received,
+        "status_seq": tw.completed_seq,
+        "streams": {sid: {"queued_batches": s.backlog(), "applied": s.applied} for sid, s in tw.streams.items()},
+        "failure": tw.failure,
+    }
+
+
 def _plugin() -> MonarchWorkerPlugin:
     worker = get_worker()
     plugin = worker.plugins.get(PLUGIN_NAME)

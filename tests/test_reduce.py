@@ -1,0 +1,160 @@
+"""The reduce values of Monarch's test_controller on a 2x2 mesh (host x gpu) of four CPU workers (spec §9:
+reduce, reduce_out; spec §1 ``t.reduce``; spec §5 table), through gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dask_monarch as dm
+
+TIMEOUT = 60
+
+
+def make_x(h, g):
+    """Rank (h, g) holds 24h + 12g + arange(12).reshape(3, 4) (test_controller's x)."""
+    return 24 * h + 12 * g + torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+
+def local_x(h, g):
+    return 24 * h + 12 * g + torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+
+def fetch(t, **coords):
+    return dm.fetch_shard(t, **coords).result(timeout=TIMEOUT)
+
+
+@pytest.fixture
+def x(mesh2x2):
+    return dm.remote(make_x)(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+
+
+def test_x_is_per_rank(mesh2x2, x):
+    for h in range(2):
+        for g in range(2):
+            assert torch.equal(fetch(x, host=h, gpu=g), local_x(h, g))
+
+
+def test_sum_over_gpu(mesh2x2, x):
+    s = x.reduce("gpu", "sum")
+    for h in range(2):
+        for g in range(2):
+            assert torch.equal(fetch(s, host=h, gpu=g), local_x(h, 0) + local_x(h, 1))
+
+
+def test_avg_over_host(mesh2x2, x):
+    a = x.reduce("host", "avg")
+    for g in range(2):
+        assert torch.allclose(fetch(a, host=1, gpu=g), (local_x(0, g) + local_x(1, g)) / 2)
+
+
+def test_stack_over_gpu(mesh2x2, x):
+    st = x.reduce("gpu", "stack")
+    assert tuple(st.shape) == (2, 3, 4)
+    for h in range(2):
+        expected = torch.stack([local_x(h, 0), local_x(h, 1)])
+        assert torch.equal(fetch(st, host=h, gpu=1), expected)
+
+
+def test_all_dims_total(mesh2x2, x):
+    total = sum(local_x(h, g) for h in range(2) for g in range(2))
+    for dims in ((), ("gpu", "host"), ("host", "gpu")):
+        r = x.reduce(dims, "sum")
+        assert torch.equal(fetch(r, host=1, gpu=0), total), dims
+
+
+def test_min_max_prod(mesh2x2, x):
+    assert torch.equal(fetch(x.reduce("host", "max"), host=0, gpu=1), local_x(1, 1))
+    assert torch.equal(fetch(x.reduce("host", "min"), host=1, gpu=1), local_x(0, 1))
+    assert torch.equal(fetch(x.reduce("gpu", "prod"), host=1, gpu=0), local_x(1, 0) * local_x(1, 1))
+
+
+def make_pair(h, g):
+    """A [2, 3] tensor per rank, for scatter over a dim of size 2: rows 100h + 10g and 100h + 10g + 1."""
+    base = (100 * h + 10 * g).to(torch.float32) + torch.zeros(3)
+    return torch.stack([base, base + 1])
+
+
+def local_pair(h, g):
+    return make_pair(torch.tensor(h), torch.tensor(g))
+
+
+def test_reduce_scatter(mesh2x2):
+    p = dm.remote(make_pair)(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    r = p.reduce("gpu", "sum", scatter=True)
+    assert tuple(r.shape) == (3,)
+    for h in range(2):
+        total = local_pair(h, 0) + local_pair(h, 1)
+        for g in range(2):
+            assert torch.equal(fetch(r, host=h, gpu=g), total[g])
+
+
+def test_stack_scatter_is_all_to_all(mesh2x2):
+    p = dm.remote(make_pair)(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    r = p.reduce("gpu", "stack", scatter=True)
+    assert tuple(r.shape) == (2, 3)
+    for h in range(2):
+        for g in range(2):
+            expected = torch.stack([local_pair(h, 0)[g], local_pair(h, 1)[g]])
+            assert torch.equal(fetch(r, host=h, gpu=g), expected)
+
+
+def test_scatter_needs_first_dim_equal_to_group(mesh2x2, x):
+    with pytest.raises(TypeError, match="When scattering"):
+        x.reduce("gpu", "sum", scatter=True)
+
+
+def test_multi_dim_stack_or_scatter_rejected(mesh2x2, x):
+    with pytest.raises(ValueError):
+        x.reduce(("host", "gpu"), "stack")
+    with pytest.raises(ValueError):
+        x.reduce(("host", "gpu"), "sum", scatter=True)
+
+
+def test_unknown_and_duplicate_dims(mesh2x2, x):
+    with pytest.raises(KeyError, match="'tpu'"):
+        x.reduce("tpu")
+    with pytest.raises(ValueError, match="duplicate"):
+        x.reduce(("gpu", "gpu"))
+    with pytest.raises(ValueError, match="unknown reduction"):
+        x.reduce("gpu", "median")
+    with pytest.raises(NotImplementedError):
+        x.reduce("gpu", mesh=mesh2x2)
+
+
+def test_reduce_out(mesh2x2, x):
+    with mesh2x2.activate():
+        bad = dm.remote(torch.zeros)(2, 2)
+        out = dm.remote(torch.zeros)(3, 4)
+    with pytest.raises(ValueError, match="Reduce expects the shape"):
+        x.reduce("gpu", "sum", out=bad)
+    r = x.reduce("gpu", "sum", out=out)
+    expected = local_x(1, 0) + local_x(1, 1)
+    assert torch.equal(fetch(r, host=1, gpu=1), expected)
+    assert torch.equal(fetch(out, host=1, gpu=1), expected)  # the result aliases out
+
+
+def test_reduce_in_place(mesh2x2, x):
+    y = dm.remote(torch.clone)(x)
+    assert dm.reduce_(y, "host", "sum") is y
+    for g in range(2):
+        assert torch.equal(fetch(y, host=0, gpu=g), local_x(0, g) + local_x(1, g))
+    assert torch.equal(fetch(x, host=0, gpu=0), local_x(0, 0))  # the source of the clone is untouched
+
+
+def test_reduce_pytree(mesh2x2, x):
+    with mesh2x2.activate():
+        tree = {"a": x, "b": [dm.remote(torch.ones)(2)]}
+    r = dm.reduce(tree, ("host", "gpu"), "sum")
+    assert torch.equal(fetch(r["b"][0], host=0, gpu=0), torch.full((2,), 4.0))
+    assert torch.equal(fetch(r["a"], host=1, gpu=1), sum(local_x(h, g) for h in range(2) for g in range(2)))
+
+
+def test_reduce_of_failed_input_raises_on_fetch_and_others_survive(mesh2x2, x):
+    with mesh2x2.activate():
+        bad = dm.remote("no_such_module.make", propagate=lambda: torch.empty(3, 4))()
+    r = bad.reduce("gpu", "sum")
+    with pytest.raises(dm.RemoteException, match="failed to resolve function"):
+        fetch(r, host=0, gpu=1)
+    ok = x.reduce("gpu", "sum")  # the communicator still works after the failed input took part as zeros
+    assert torch.equal(fetch(ok, host=0, gpu=0), local_x(0, 0) + local_x(0, 1))

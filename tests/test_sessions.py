@@ -1,0 +1,133 @@
+"""Sessions on a shared cluster: message order over many out-of-order Dask tasks (spec/dask-notes.md §0,
+§6 #16), isolation between two controllers, and attaching to a cluster started with the ``dask scheduler`` /
+``dask worker`` command lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath, Ref
+from dask_monarch.controller.session import DEFAULT_STREAM
+
+TIMEOUT = 60
+
+
+def test_ten_thousand_messages_apply_in_order(client1):
+    """10,000 order-sensitive in-place ops, sent as fast as possible in many small batches (so Dask runs the
+    pinned tasks out of order), are applied exactly in the order sent."""
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60, max_batch=64)
+    try:
+        with mesh.activate():
+            h = dm.remote(torch.zeros)(1, dtype=torch.int64)
+        session = mesh._session
+        mul = FunctionPath("torch.ops.aten.mul_.Scalar")
+        add = FunctionPath("torch.ops.aten.add_.Scalar")
+        expected = torch.zeros(1, dtype=torch.int64)
+        for i in range(10_000):
+            if i % 2 == 0:
+                fn, arg = mul, 31
+                expected.mul_(31)
+            else:
+                fn, arg = add, i
+                expected.add_(i)
+            session.send(
+                CallFunction(session.new_seq(), [None], [h.ref], fn, ArgsKwargs((h, arg), {}), DEFAULT_STREAM, [])
+            )
+        assert session._batch_seq[0] > 100  # many tasks, so Dask had the chance to reorder them
+        assert torch.equal(dm.fetch_shard(h).result(timeout=TIMEOUT), expected)
+    finally:
+        mesh.exit()
+
+
+def fill(value):
+    return torch.full((4,), float(value))
+
+
+def test_two_sessions_are_isolated(client2):
+    a = dm.attach(client2, dims={"workers": 2}, comm_timeout=60)
+    b = dm.attach(client2, dims={"workers": 2}, comm_timeout=60)
+    try:
+        with a.activate():
+            xa = dm.remote(fill)(1)
+        with b.activate():
+            xb = dm.remote(fill)(2)
+        assert xa.ref == xb.ref  # the same ref id in both sessions names different values
+        assert torch.equal(dm.inspect(xa), torch.full((4,), 1.0))
+        assert torch.equal(dm.inspect(xb, workers=1), torch.full((4,), 2.0))
+        # a fatal error in session b does not touch session a
+        b._session.send(CallFunction(b._session.new_seq(), [None], [], FunctionPath("__test_panic"),
+                                     ArgsKwargs(), DEFAULT_STREAM, []))
+        with pytest.raises(dm.SessionError, match="__test_panic"):
+            dm.fetch_shard(xb).result(timeout=TIMEOUT)
+        sa = xa.reduce("workers", "sum")
+        assert torch.equal(dm.fetch_shard(sa, workers=1).result(timeout=TIMEOUT), torch.full((4,), 2.0))
+    finally:
+        a.exit()
+        b.exit()  # the failure was already raised by the fetch: exit only cleans up
+
+
+def test_two_sessions_from_two_threads(client2):
+    results = {}
+
+    def run(value):
+        with dm.attach(client2, dims={"workers": 2}, comm_timeout=60) as mesh:
+            with mesh.activate():
+                x = dm.remote(fill)(value)
+            results[value] = dm.fetch_shard(x.reduce("workers", "sum"), workers=1).result(timeout=TIMEOUT)
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert torch.equal(results[3], torch.full((4,), 6.0))
+    assert torch.equal(results[5], torch.full((4,), 10.0))
+
+
+@pytest.fixture
+def cli_cluster(tmp_path):
+    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines."""
+    scheduler_file = tmp_path / "scheduler.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    bindir = os.path.dirname(sys.executable)
+    procs = [subprocess.Popen(
+        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--dashboard-address", ":0",
+         "--scheduler-file", str(scheduler_file)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen(
+                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        yield address
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_attach_to_command_line_cluster(cli_cluster):
+    with dm.attach(cli_cluster, dims={"dp": 2}, comm_timeout=60, timeout=90) as mesh:
+        assert sorted(mesh.workers.values()) == list(mesh.workers.values())  # ranks sorted by host, then port
+        x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+        s = x.reduce("dp", "sum")
+        assert dm.fetch_shard(s, dp=1).result(timeout=TIMEOUT).item() == 3  # (0 + 1) + (1 + 1)
