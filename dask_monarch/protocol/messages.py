@@ -174,56 +174,113 @@ def _actor_call(where, v):
 _FUNCTION = _instance(FunctionPath, Cloudpickle)
 _REFS = _list_of(_ref)
 _OPT_REFS = _list_of(_opt_ref)
+_LISTS = (list, tuple)
 
-# field type annotation (as written below) -> checker
+
+def _ok_list(item_ok):
+    return lambda v: type(v) in _LISTS and all(item_ok(x) for x in v)
+
+
+def _ok_instance(*types):
+    return lambda v: isinstance(v, types)
+
+
+def _ok_commands(v) -> bool:
+    return type(v) in _LISTS and all(type(x) in _FIELD_CHECKS and _valid(x) for x in v)
+
+
+def _ok_exit_error(v) -> bool:
+    return v is None or (
+        isinstance(v, tuple) and len(v) == 2 and (v[0] is None or isinstance(v[0], str)) and isinstance(v[1], str)
+    )
+
+
+_is_ref = lambda v: type(v) is Ref  # noqa: E731
+_is_opt_ref = lambda v: v is None or type(v) is Ref  # noqa: E731
+
+# field type annotation (as written below) -> (fast predicate, checker that raises a ProtocolError naming the field)
 _CHECKS = {
-    "Seq": _u64,
-    "int": _u64,
-    "bool": _bool,
-    "Ref": _ref,
-    "Optional[Ref]": _opt_ref,
-    "list[Ref]": _REFS,
-    "list[Optional[Ref]]": _OPT_REFS,
-    "StreamRef": _stream,
-    "list[str]": _dims,
-    "str": _str,
-    "Slice": _instance(Slice),
-    "Factory": _instance(Factory),
-    "Reduction": _instance(Reduction),
-    "StreamCreationMode": _instance(StreamCreationMode),
-    "ResolvableFunction": _FUNCTION,
-    "Optional[ResolvableFunction]": _opt(_FUNCTION),
-    "ArgsKwargs": _instance(ArgsKwargs),
-    "WireValue": _instance(WireValue),
-    "list[WorkerMessage]": _commands,
-    "ExitError": _exit_error,
-    "BrokerId": _broker_id,
-    "ActorCallParams": _actor_call,
-    "Any": _any,
-    "WorkerError": _instance(WorkerError),
+    "Seq": (_is_u64, _u64),
+    "int": (_is_u64, _u64),
+    "bool": (lambda v: type(v) is bool, _bool),
+    "Ref": (_is_ref, _ref),
+    "Optional[Ref]": (_is_opt_ref, _opt_ref),
+    "list[Ref]": (_ok_list(_is_ref), _REFS),
+    "list[Optional[Ref]]": (_ok_list(_is_opt_ref), _OPT_REFS),
+    "StreamRef": (lambda v: type(v) is StreamRef, _stream),
+    "list[str]": (_ok_list(lambda v: type(v) is str), _dims),
+    "str": (lambda v: type(v) is str, _str),
+    "Slice": (_ok_instance(Slice), _instance(Slice)),
+    "Factory": (_ok_instance(Factory), _instance(Factory)),
+    "Reduction": (_ok_instance(Reduction), _instance(Reduction)),
+    "StreamCreationMode": (_ok_instance(StreamCreationMode), _instance(StreamCreationMode)),
+    "ResolvableFunction": (_ok_instance(FunctionPath, Cloudpickle), _FUNCTION),
+    "Optional[ResolvableFunction]": (lambda v: v is None or isinstance(v, (FunctionPath, Cloudpickle)), _opt(_FUNCTION)),
+    "ArgsKwargs": (_ok_instance(ArgsKwargs), _instance(ArgsKwargs)),
+    "WireValue": (_ok_instance(WireValue), _instance(WireValue)),
+    "list[WorkerMessage]": (_ok_commands, _commands),
+    "ExitError": (_ok_exit_error, _exit_error),
+    "BrokerId": (lambda v: isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and _is_u64(v[1]), _broker_id),
+    "ActorCallParams": (lambda v: type(v) is ActorCallParams and _valid(v), _actor_call),
+    "WorkerError": (_ok_instance(WorkerError), _instance(WorkerError)),
 }
 
 _FIELD_CHECKS: dict[type, tuple] = {}
+_MISSING = object()
+
+
+def _valid(msg) -> bool:
+    for name, ok, _ in _FIELD_CHECKS[type(msg)]:
+        if not ok(getattr(msg, name, _MISSING)):
+            return False
+    return True
+
+
+def _call_function_ok(m) -> bool:
+    """The hot path's check of a ``CallFunction`` (the generic one explains failures)."""
+    seq = getattr(m, "seq", None)
+    if type(seq) is not int or seq < 0 or type(getattr(m, "stream", None)) is not StreamRef:
+        return False
+    if type(getattr(m, "args_kwargs", None)) is not ArgsKwargs:
+        return False
+    kind = type(getattr(m, "function", None))
+    if kind is not FunctionPath and kind is not Cloudpickle:
+        return False
+    results = getattr(m, "results", None)
+    if type(results) not in _LISTS:
+        return False
+    for r in results:
+        if r is not None and type(r) is not Ref:
+            return False
+    for refs in (getattr(m, "mutates", None), getattr(m, "remote_process_groups", None)):
+        if type(refs) not in _LISTS:
+            return False
+        for r in refs:
+            if type(r) is not Ref:
+                return False
+    return True
 
 
 def validate(msg, where: str | None = None) -> None:
     """Check every field of ``msg`` (a message dataclass); raise ``ProtocolError`` naming the first bad one."""
+    if type(msg) is CallFunction and _call_function_ok(msg):
+        return
     checks = _FIELD_CHECKS.get(type(msg))
     if checks is None:
         raise ProtocolError(f"{where or 'message'}: expected a WorkerMessage, got {_describe(msg)}")
-    prefix = where or type(msg).__name__
-    for name, check in checks:
-        try:
-            value = getattr(msg, name)
-        except AttributeError:
-            raise ProtocolError(f"{prefix}.{name}: missing") from None
-        check(f"{prefix}.{name}", value)
+    for name, ok, check in checks:
+        value = getattr(msg, name, _MISSING)
+        if not ok(value):
+            prefix = where or type(msg).__name__
+            if value is _MISSING:
+                raise ProtocolError(f"{prefix}.{name}: missing")
+            check(f"{prefix}.{name}", value)
 
 
 def _message(cls):
     """Make ``cls`` a slotted dataclass whose constructor validates its fields."""
     cls = dataclass(slots=True)(cls)
-    _FIELD_CHECKS[cls] = tuple((f.name, _CHECKS[f.type]) for f in dataclasses.fields(cls))
+    _FIELD_CHECKS[cls] = tuple((f.name, *_CHECKS[f.type]) for f in dataclasses.fields(cls))
     return cls
 
 

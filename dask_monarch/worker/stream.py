@@ -151,9 +151,32 @@ class StreamWorker:
         return tree_map(leaf, obj)
 
     def _resolve_args(self, args_kwargs, meshes: bool):
-        resolve = self._resolve
-        args = [resolve(a, meshes) for a in args_kwargs.args]
-        kwargs = {k: resolve(v, meshes) for k, v in args_kwargs.kwargs.items()} if args_kwargs.kwargs else {}
+        """Resolved ``(args, kwargs)``. Plain values and top-level refs take a fast path (the per-message
+        budget); containers go through ``_resolve``."""
+        env = self.env
+        device_meshes = self.tw.device_meshes if meshes else None
+        args = []
+        for a in args_kwargs.args:
+            t = type(a)
+            if t is Ref:
+                if device_meshes:
+                    mesh = device_meshes.get(a.id)
+                    if mesh is not None:
+                        args.append(mesh)
+                        continue
+                value = env.get(a.id, _MISSING)
+                if value is _MISSING:
+                    raise _ValueError(f"ref not found: r{a.id}")
+                if type(value) is SeqError:
+                    raise DependentError(value)
+                args.append(value)
+            elif t in _PLAIN:
+                args.append(a)
+            else:
+                args.append(self._resolve(a, meshes))
+        kwargs = args_kwargs.kwargs
+        if kwargs:
+            kwargs = {k: self._resolve(v, meshes) for k, v in kwargs.items()}
         return args, kwargs
 
     def _store_error(self, refs, err: SeqError) -> None:

@@ -11,6 +11,7 @@ controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import pickle
 import threading
@@ -63,6 +64,18 @@ from .stream import StreamWorker
 __all__ = ["TensorWorker", "SessionParams"]
 
 logger = logging.getLogger("dask_monarch.worker")
+
+
+def _loads(segment: bytes) -> list:
+    """Unpickle a segment with the cyclic garbage collector paused: a batch allocates thousands of small objects,
+    and the collections they would trigger cost several times the unpickling itself."""
+    if not gc.isenabled():
+        return pickle.loads(segment)
+    gc.disable()
+    try:
+        return pickle.loads(segment)
+    finally:
+        gc.enable()
 
 
 class SessionParams(tuple):
@@ -169,7 +182,7 @@ class TensorWorker:
             try:
                 for segment in segments:
                     try:
-                        messages = pickle.loads(segment)
+                        messages = _loads(segment)
                     except Exception as e:
                         raise FatalError(f"could not unpickle a message batch: {type(e).__name__}: {e}") from None
                     self.received += len(messages)
