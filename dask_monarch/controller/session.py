@@ -77,6 +77,13 @@ class MonarchFuture:
         return self._future.done()
 
     def result(self, timeout: float | None = None):
+        try:
+            return self._result(timeout)
+        except SessionError:
+            self._session._failure_seen = True  # reported here, so mesh.exit() need not raise it again
+            raise
+
+    def _result(self, timeout: float | None):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = self._session.liveness_interval
@@ -86,9 +93,6 @@ class MonarchFuture:
                 return self._future.result(timeout=wait)
             except concurrent.futures.TimeoutError:
                 pass
-            except SessionError:
-                self._session._failure_seen = True
-                raise
             self._session.check_alive()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -454,6 +458,24 @@ class Session:
         logger.error("%s", error)
         for _, future, _ in waiters:
             future._set(error=error)
+        self._exit_remote(str(error))
+
+    def _exit_remote(self, reason: str) -> None:
+        """Best effort, no wait: ``Exit`` with an error to every rank whose worker is still there, so that peers
+        release their communicators (a stream blocked in a collective with the failed rank errors out) and the
+        session's threads and tensors are freed."""
+        with self.lock:
+            blob = _dumps([Exit((None, reason[:2000]))])
+            for rank, address in enumerate(self.workers):
+                bseq = self._batch_seq[rank]
+                self._batch_seq[rank] = bseq + 1
+                try:
+                    self._inflight[rank].append(self.client.submit(
+                        deliver_batch, self.params[rank], bseq, [blob], key=f"monarch-exit-{self._key}-{rank}-{bseq}",
+                        workers=[address], allow_other_workers=False, pure=False, priority=-bseq,
+                    ))
+                except Exception:
+                    pass
 
     # ------------------------------------------------------------------------------------------------- exit
     def close(self, timeout: float = 60.0) -> None:

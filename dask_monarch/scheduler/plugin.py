@@ -11,6 +11,7 @@ import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from ..worker.plugin import END_SESSION_OP
 from .kv import KeyValueStore
 
 __all__ = ["MonarchSchedulerPlugin", "PLUGIN_NAME"]
@@ -91,3 +92,18 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}
+
+    def remove_client(self, scheduler, client: str) -> None:
+        """A controller disconnected without ``mesh.exit()``: end its sessions on their workers, so nothing
+        they held (threads, tensors, communicators) outlives it, and drop their rendezvous keys."""
+        for session_id, info in list(self.sessions.items()):
+            if info["client"] != client:
+                continue
+            for address in info["workers"]:
+                if address in scheduler.workers:
+                    scheduler.worker_send(
+                        address,
+                        {"op": END_SESSION_OP, "session_id": session_id,
+                         "reason": f"the controller ({client}) disconnected"},
+                    )
+            self.session_close(session_id)

@@ -96,7 +96,7 @@ class Comms:
         self.unique_id = unique_id
         self.world = self._new_group(f"{unique_id}/world", list(range(self.world_size)))
         warm = torch.zeros([1], device=self.device)
-        _wait(self.world.allreduce([warm]), "warm-up all-reduce", list(range(self.world_size)))
+        _wait(self.world.allreduce([warm]), "warm-up all-reduce", f"all {self.world_size} ranks")
 
     def split(self, mesh_id: int, stream_id: int, dims: tuple, members: list[int]):
         """``SplitComm``: the communicator of ``(stream, dims)`` of mesh ``mesh_id`` over global ranks
@@ -130,11 +130,11 @@ def _host(address: str) -> str:
     return get_address_host(address)
 
 
-def _wait(work, what: str, members) -> None:
+def _wait(work, what: str, among: str) -> None:
     try:
         work.wait()
     except Exception as e:
-        raise CommError(f"{what} among ranks {list(members)} failed: {type(e).__name__}: {e}") from None
+        raise CommError(f"{what} among {among} failed: {type(e).__name__}: {e}") from None
 
 
 def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out):
@@ -145,7 +145,7 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
     op+scatter -> ``s[1:]`` (reduce-scatter). Raises ``CommError`` for an unsupported combination, a backend
     refusal, or a timeout.
     """
-    members = f"a group of {size}"
+    members = f"a group of {size} ranks"
     try:
         if reduction is Reduction.Stack:
             if scatter:

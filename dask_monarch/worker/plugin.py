@@ -25,6 +25,8 @@ from .tensor_worker import SessionParams, TensorWorker
 __all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "deliver_batch", "sync_batch"]
 
 PLUGIN_NAME = "dask-monarch"
+#: worker stream-handler op that ends a session (sent through ``Scheduler.worker_send``)
+END_SESSION_OP = "monarch-end-session"
 _CLOSED_MEMORY = 1024
 
 
@@ -40,6 +42,20 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.sessions: dict[str, TensorWorker] = {}
         self.closed: dict[str, None] = {}
         self._lock = threading.Lock()
+        worker.stream_handlers[END_SESSION_OP] = self.end_session
+
+    def end_session(self, session_id: str, reason: str) -> None:
+        """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
+        session here, on a thread, since closing joins the session's threads."""
+        tw = self.sessions.get(session_id)
+        if tw is None:
+            return
+
+        def end():
+            tw.fail(reason)
+            tw.close(join_timeout=1.0)
+
+        threading.Thread(target=end, name=f"monarch-{session_id[:8]}-end", daemon=True).start()
 
     def teardown(self, worker) -> None:
         for tw in list(self.sessions.values()):

@@ -177,7 +177,10 @@ class TensorWorker:
             segments = self.inbox.get()
             if segments is None:
                 return
-            if self.failure is not None or self.closed:
+            if self.failure is not None:
+                if self._exit_requested(segments):
+                    self.close(join_timeout=1.0)
+                    return
                 continue
             try:
                 for segment in segments:
@@ -195,6 +198,17 @@ class TensorWorker:
                 self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
             finally:
                 self.flush_streams()
+
+    @staticmethod
+    def _exit_requested(segments) -> bool:
+        """After a failure only ``Exit`` matters: it releases what the failed session still holds."""
+        for segment in segments:
+            try:
+                if any(type(m) is Exit for m in _loads(segment)):
+                    return True
+            except Exception:
+                pass
+        return False
 
     def apply(self, messages) -> None:
         """Apply ``messages`` in order. A malformed message or a fatal error stops here (``FatalError``)."""
@@ -353,10 +367,13 @@ class TensorWorker:
     def exit(self, msg: Exit) -> None:
         """Drain and stop every stream and end the session on this worker; the Dask worker lives on."""
         if msg.error is not None:
+            # a peer or the controller failed: release the communicators first, so that a stream blocked in a
+            # collective with a lost peer errors out now instead of at the collective's timeout
             logger.warning("dask_monarch session %s rank %d exits with error: %s", self.session_id, self.rank,
                            msg.error[1])
+            self.comms.shutdown()
         self.flush_streams()
-        self.close()
+        self.close(join_timeout=10.0 if msg.error is None else 1.0)
 
     def set_ref_unit_tests_only(self, msg: SetRefUnitTestsOnly) -> None:
         stream = self._stream(msg.stream, "SetRefUnitTestsOnly")

@@ -1,0 +1,80 @@
+"""Failures never turn into hangs (DESIGN.md "Decisions"; spec/dask-notes.md §5.4, §6 #1, #4): a killed worker
+fails the session within seconds naming the rank, the surviving workers keep serving, and a controller that
+disappears without ``mesh.exit()`` leaves nothing running on the workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_monarch as dm
+
+
+def slow_add(x):
+    time.sleep(3)
+    return x + 1
+
+
+def pid():
+    return os.getpid()
+
+
+def sessions_on_workers(client):
+    return client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+
+
+@pytest.fixture
+def fresh_client2():
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+def test_killed_worker_fails_the_session_and_the_rest_keeps_serving(fresh_client2):
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    total = dm.remote(slow_add)(x).reduce("dp", "sum")
+    future = dm.fetch_shard(total)
+    victim = mesh.workers[1]
+    os.kill(client.run(pid)[victim], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(dm.SessionError, match=r"rank 1 \(" + victim):
+        future.result(timeout=120)
+    assert time.monotonic() - start < 30  # a bound far below the 60 s collective timeout
+    mesh.exit()  # already reported: exit cleans up without raising
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
+    with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
+        assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+    deadline = time.monotonic() + 30
+    while any(sessions_on_workers(client).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(sessions_on_workers(client).values())
+
+
+def test_controller_that_disappears_leaves_no_session(fresh_client2):
+    client = fresh_client2
+    address = client.scheduler.address
+    script = textwrap.dedent(f"""
+        import os, torch, dask_monarch as dm
+        mesh = dm.attach({address!r}, dims={{"dp": 2}}, comm_timeout=60)
+        x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+        print(dm.inspect(x.reduce("dp", "sum")).item(), flush=True)
+        os._exit(0)  # no mesh.exit(): the controller just vanishes
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "3", out.stderr
+    deadline = time.monotonic() + 30
+    while any(sessions_on_workers(client).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(sessions_on_workers(client).values())
+    sessions = client.sync(client.scheduler.monarch_sessions)
+    assert sessions == {}
