@@ -58,27 +58,37 @@ def worker_pids(client1):
 
 
 def session_state_on_workers(client, session_id: str) -> dict:
-    """Per worker: does the worker plugin still hold the session, and how many of its threads are alive."""
+    """Per worker: has the session ended there (with which failure text), does the worker plugin still hold it,
+    and how many of its threads are alive."""
 
     def probe(dask_worker):
         import threading
 
-        held = session_id in dask_worker.plugins["dask-monarch"].sessions
-        threads = [t.name for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-")]
-        return held, len(threads)
+        plugin = dask_worker.plugins["dask-monarch"]
+        threads = [t for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-")]
+        return {
+            "ended": session_id in plugin.closed,
+            "failure": plugin.closed.get(session_id),
+            "held": session_id in plugin.sessions,
+            "threads": len(threads),
+        }
 
     return client.run(probe)
 
 
-def assert_session_released(client, session_id: str) -> None:
-    """A failed session stops on its workers and frees its state; the worker releases it right after it
-    reported the failure, so poll (bounded) instead of assuming it is already done."""
+def assert_session_released(client, session_id: str) -> dict:
+    """Wait (bounded) until every worker has ended the session and freed it; return the workers' states."""
+
+    def released(state):
+        return state["ended"] and not state["held"] and state["threads"] == 0
+
     deadline = time.monotonic() + TIMEOUT
-    state = session_state_on_workers(client, session_id)
-    while any(held or threads for held, threads in state.values()) and time.monotonic() < deadline:
+    states = session_state_on_workers(client, session_id)
+    while not all(map(released, states.values())) and time.monotonic() < deadline:
         time.sleep(0.1)
-        state = session_state_on_workers(client, session_id)
-    assert all(state_of == (False, 0) for state_of in state.values()), state
+        states = session_state_on_workers(client, session_id)
+    assert all(map(released, states.values())), states
+    return states
 
 
 def assert_cluster_serves(client):
@@ -97,9 +107,10 @@ def fails_fatally(mesh, *messages) -> dm.SessionError:
         session.send(message)
     with pytest.raises(dm.SessionError) as info:
         session.sync("after bad input").result(timeout=TIMEOUT)
-    # the session is over: later use raises the same error instead of hanging
+    # the session is over: later use raises the same error instead of hanging, and the worker freed it
     with pytest.raises(dm.SessionError):
         session.send(GetRefUnitTestsOnly(session.new_ref(), ST0))
+    assert_session_released(session.client, session.id)
     return info.value
 
 
@@ -124,7 +135,8 @@ def test_fatal_error_frees_the_session_and_leaves_other_sessions_alone(mesh1, cl
         session.send(CreateStream(StreamRef(1), StreamCreationMode.CreateNewStream))
         session.send(call_on(StreamRef(99), session.new_seq()))
         session.flush()  # delivered without a status request: the worker fails and releases the session alone
-        assert_session_released(client1, session.id)
+        (state,) = assert_session_released(client1, session.id).values()
+        assert "unknown stream 99" in state["failure"]
         # asked afterwards, the worker still names the problem
         with pytest.raises(dm.SessionError, match="unknown stream 99"):
             session.sync("after the session stopped on the worker").result(timeout=TIMEOUT)
@@ -163,6 +175,19 @@ def test_raw_reduce_over_an_unknown_dim_fails_the_session_naming_the_dim(mesh1, 
                None),
     )
     assert "unknown mesh dimension 'nope'" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_second_write_to_a_result_ref_fails_the_session(mesh1, client1, worker_pids):
+    # spec §2 panics; DESIGN.md "Decisions": a clear protocol error for the session, the worker keeps running
+    session = mesh1._session
+    ref = session.new_ref()
+    first = CallFunction(session.new_seq(), [ref], [], FunctionPath("torch.ops.aten.ones.default"), ArgsKwargs(([1],)),
+                         ST0, [])
+    second = CallFunction(session.new_seq(), [ref], [], FunctionPath("torch.ops.aten.zeros.default"),
+                          ArgsKwargs(([1],)), ST0, [])
+    error = fails_fatally(mesh1, first, second)
+    assert f"Duplicate write to reference {ref}" in str(error)
     assert_cluster_serves(client1)
 
 
