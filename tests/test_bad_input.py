@@ -220,7 +220,7 @@ def test_unknown_function_is_a_value_error(mesh1, client1, worker_pids):
     with pytest.raises(dm.RemoteException, match="failed to resolve function") as info:
         dm.fetch_shard(bad).result(timeout=TIMEOUT)
     assert "i.dont.exist" in str(info.value)
-    # x was not involved: still valid, and the session keeps working
+    # x, an input that the failed call did not mutate, stays valid, and the session keeps working
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
     with mesh1.activate():
         y = dm.remote(make_values)(2)
