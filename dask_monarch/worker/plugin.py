@@ -40,7 +40,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
     def setup(self, worker) -> None:
         self.worker = worker
         self.sessions: dict[str, TensorWorker] = {}
-        self.closed: dict[str, None] = {}
+        self.closed: dict[str, str | None] = {}  # ended session -> its failure text, or None
         self._lock = threading.Lock()
         worker.stream_handlers[END_SESSION_OP] = self.end_session
 
@@ -76,10 +76,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 self.sessions[session_id] = tw
             return tw
 
-    def _forget(self, session_id: str) -> None:
+    def _forget(self, session_id: str, failure: str | None = None) -> None:
         with self._lock:
             self.sessions.pop(session_id, None)
-            self.closed[session_id] = None
+            self.closed[session_id] = failure
             while len(self.closed) > _CLOSED_MEMORY:
                 self.closed.pop(next(iter(self.closed)))
 
@@ -127,11 +127,11 @@ def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq
     """Deliver batch ``batch_seq``, whose last message is ``RequestStatus{status_seq}`` (then ``Exit`` if
     ``exit``), then wait (seceded) for ``Status{status_seq + 1}`` (and for the session to close if ``exit``) and
     return the pickled list of controller messages collected so far."""
-    tw = _plugin().tensor_worker(params)
+    plugin = _plugin()
+    tw = plugin.tensor_worker(params)
     if tw is None:
-        worker = get_worker()
-        gone = SessionFailed(WorkerError(f"session {params[0]} already ended on this worker", worker.address))
-        return pickle.dumps([gone])
+        text = plugin.closed.get(params[0]) or f"session {params[0]} already ended on this worker"
+        return pickle.dumps([SessionFailed(WorkerError(text, get_worker().address))])
     secede()
     tw.inbox.put(batch_seq, segments)
     tw.wait_status(status_seq)

@@ -114,7 +114,8 @@ class _StatusBarrier:
 class TensorWorker:
     """State of session ``session_id`` as rank ``rank`` of ``world_size`` on Dask ``worker``.
 
-    ``on_close`` is called (with the session id) once the session has stopped on this worker.
+    ``on_close`` is called (with the session id and the failure text, or None) once the session has stopped on
+    this worker: after ``Exit``, or right after a fatal error (``fail``).
     """
 
     def __init__(self, worker, session_id: str, rank: int, world_size: int, options: dict | None = None,
@@ -134,6 +135,7 @@ class TensorWorker:
         self.outbox: collections.deque = collections.deque()
         self.failure: str | None = None
         self.closed = False
+        self._closing = False
         self.completed_seq = 0
         self.received = 0
         self._cond = threading.Condition()
@@ -176,11 +178,8 @@ class TensorWorker:
         while True:
             segments = self.inbox.get()
             if segments is None:
-                return
-            if self.failure is not None:
-                if self._exit_requested(segments):
-                    self.close(join_timeout=1.0)
-                    return
+                break
+            if self.failure is not None or self.closed:
                 continue
             try:
                 for segment in segments:
@@ -198,17 +197,8 @@ class TensorWorker:
                 self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
             finally:
                 self.flush_streams()
-
-    @staticmethod
-    def _exit_requested(segments) -> bool:
-        """After a failure only ``Exit`` matters: it releases what the failed session still holds."""
-        for segment in segments:
-            try:
-                if any(type(m) is Exit for m in _loads(segment)):
-                    return True
-            except Exception:
-                pass
-        return False
+        if self.failure is not None:
+            self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
 
     def apply(self, messages) -> None:
         """Apply ``messages`` in order. A malformed message or a fatal error stops here (``FatalError``)."""
@@ -265,7 +255,8 @@ class TensorWorker:
 
     def fail(self, text: str) -> None:
         """Fail the session on this worker (class F): report ``SessionFailed`` once, stop applying messages, and
-        release the communicators so peers blocked in a collective see an error instead of waiting."""
+        release the communicators so peers blocked in a collective see an error instead of waiting. Closing the
+        inbox wakes the dispatcher, which then stops the session (``close``)."""
         with self._cond:
             if self.failure is not None:
                 return
@@ -274,9 +265,14 @@ class TensorWorker:
             self._cond.notify_all()
         logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
         self.comms.shutdown()
+        self.inbox.close()
 
     def close(self, join_timeout: float = 10.0) -> None:
-        """Stop every stream (after what is queued), release comms, and forget the session."""
+        """Stop every stream (after what is queued), release comms, and forget the session. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
         for stream in self.streams.values():
             stream.stop()
         for stream in self.streams.values():
@@ -287,7 +283,7 @@ class TensorWorker:
             self.closed = True
             self._cond.notify_all()
         if self._on_close is not None:
-            self._on_close(self.session_id)
+            self._on_close(self.session_id, self.failure)
 
     # ------------------------------------------------------------------------------------------------ handlers
     def backend_network_init(self, msg: BackendNetworkInit) -> None:

@@ -1,0 +1,239 @@
+"""Bad input gives a clear error naming the problem and leaves the Dask worker serving (spec §2 failure classes,
+§3; DESIGN.md "Decisions": fatal errors fail the *session*, the Dask worker process survives).
+
+Fatal (class F) errors fail the session with ``SessionError``; value (class V) errors raise ``RemoteException``
+from the fetch of a dependent value while the session keeps working. After each failure a new session on the
+same cluster must still compute a correct value, in the same worker process.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch.protocol import (
+    ArgsKwargs,
+    BorrowCreate,
+    CallFunction,
+    CreateDeviceMesh,
+    CreateStream,
+    Factory,
+    FunctionPath,
+    GetRefUnitTestsOnly,
+    ProtocolError,
+    Reduce,
+    Reduction,
+    Slice,
+    StreamCreationMode,
+    StreamRef,
+)
+
+TIMEOUT = 60
+ST0 = StreamRef(0)
+
+
+def make_values(n):
+    return torch.arange(n, dtype=torch.float32) * 2
+
+
+def one_tensor():
+    return torch.ones(3)
+
+
+def two_fakes():
+    return torch.empty(3), torch.empty(3)
+
+
+@pytest.fixture
+def worker_pids(client1):
+    """The worker processes before the test; checked afterwards to be the same, still serving."""
+    before = client1.run(os.getpid)
+    yield before
+    assert client1.run(os.getpid) == before
+
+
+def session_state_on_workers(client, session_id: str) -> dict:
+    """Per worker: has the session ended there (with which failure text), does the worker plugin still hold it,
+    and how many of its threads are alive."""
+
+    def probe(dask_worker):
+        import threading
+
+        plugin = dask_worker.plugins["dask-monarch"]
+        threads = [t for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-")]
+        return {
+            "ended": session_id in plugin.closed,
+            "failure": plugin.closed.get(session_id),
+            "held": session_id in plugin.sessions,
+            "threads": len(threads),
+        }
+
+    return client.run(probe)
+
+
+def assert_session_released(client, session_id: str) -> dict:
+    """Wait (bounded) until every worker has ended the session and freed it; return the workers' states."""
+
+    def released(state):
+        return state["ended"] and not state["held"] and state["threads"] == 0
+
+    deadline = time.monotonic() + TIMEOUT
+    states = session_state_on_workers(client, session_id)
+    while not all(map(released, states.values())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        states = session_state_on_workers(client, session_id)
+    assert all(map(released, states.values())), states
+    return states
+
+
+def assert_cluster_serves(client):
+    """Ordinary Dask work and a new dask_monarch session on the same cluster still give correct values."""
+    assert client.submit(operator.add, 1, 2, pure=False).result(timeout=TIMEOUT) == 3
+    with dm.attach(client, dims={"workers": 1}, comm_timeout=60) as mesh:
+        with mesh.activate():
+            t = dm.remote(make_values)(4)
+        assert torch.equal(dm.fetch_shard(t).result(timeout=TIMEOUT), make_values(4))
+
+
+def fails_fatally(mesh, *messages) -> dm.SessionError:
+    """Send ``messages`` raw to every rank and return the ``SessionError`` the next wait raises."""
+    session = mesh._session
+    for message in messages:
+        session.send(message)
+    with pytest.raises(dm.SessionError) as info:
+        session.sync("after bad input").result(timeout=TIMEOUT)
+    # the session is over: later use raises the same error instead of hanging, and the worker freed it
+    with pytest.raises(dm.SessionError):
+        session.send(GetRefUnitTestsOnly(session.new_ref(), ST0))
+    assert_session_released(session.client, session.id)
+    return info.value
+
+
+def call_on(stream: StreamRef, seq: int) -> CallFunction:
+    return CallFunction(seq, [None], [], FunctionPath("torch.ops.aten.ones.default"), ArgsKwargs(([1],)), stream, [])
+
+
+# ------------------------------------------------------------------------------------------------ fatal
+def test_unknown_stream_fails_the_session(mesh1, client1, worker_pids):
+    error = fails_fatally(mesh1, call_on(StreamRef(99), mesh1._session.new_seq()))
+    assert "unknown stream 99" in str(error)
+    assert "rank 0" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_fatal_error_frees_the_session_and_leaves_other_sessions_alone(mesh1, client1, worker_pids):
+    with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as other:
+        with other.activate():
+            kept = dm.remote(make_values)(5)
+        assert torch.equal(dm.fetch_shard(kept).result(timeout=TIMEOUT), make_values(5))
+        session = mesh1._session
+        session.send(CreateStream(StreamRef(1), StreamCreationMode.CreateNewStream))
+        session.send(call_on(StreamRef(99), session.new_seq()))
+        session.flush()  # delivered without a status request: the worker fails and releases the session alone
+        (state,) = assert_session_released(client1, session.id).values()
+        assert "unknown stream 99" in state["failure"]
+        # asked afterwards, the worker still names the problem
+        with pytest.raises(dm.SessionError, match="unknown stream 99"):
+            session.sync("after the session stopped on the worker").result(timeout=TIMEOUT)
+        # the other session on the same worker still holds its value
+        assert torch.equal(dm.fetch_shard(kept).result(timeout=TIMEOUT), make_values(5))
+
+
+def test_message_with_a_bad_field_fails_the_session_naming_the_field(mesh1, client1, worker_pids):
+    msg = CreateStream(StreamRef(7), StreamCreationMode.CreateNewStream)
+    msg.id = 7  # mutated after construction: only the worker's check sees it
+    error = fails_fatally(mesh1, msg)
+    assert "malformed message: CreateStream.id: expected a StreamRef, got 7 (int)" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_message_built_without_its_constructor_fails_the_session(mesh1, client1, worker_pids):
+    error = fails_fatally(mesh1, object.__new__(GetRefUnitTestsOnly))
+    assert "GetRefUnitTestsOnly.value: missing" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_constructing_a_malformed_message_raises_before_sending():
+    with pytest.raises(ProtocolError, match=r"CallFunction\.stream: expected a StreamRef, got 0 \(int\)"):
+        CallFunction(0, [None], [], FunctionPath("torch.ops.aten.ones.default"), ArgsKwargs(), 0, [])
+
+
+def test_raw_reduce_over_an_unknown_dim_fails_the_session_naming_the_dim(mesh1, client1, worker_pids):
+    session = mesh1._session
+    mesh_ref, tensor, result = session.new_ref(), session.new_ref(), session.new_ref()
+    error = fails_fatally(
+        mesh1,
+        CreateDeviceMesh(mesh_ref, ["workers"], Slice(0, [1], [1])),
+        CallFunction(session.new_seq(), [tensor], [], FunctionPath("torch.ops.aten.ones.default"),
+                     ArgsKwargs(([3],)), ST0, []),
+        Reduce(result, tensor, Factory((3,), torch.float32), mesh_ref, ST0, ["nope"], Reduction.Sum, False, False,
+               None),
+    )
+    assert "unknown mesh dimension 'nope'" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_second_write_to_a_result_ref_fails_the_session(mesh1, client1, worker_pids):
+    # spec §2 panics; DESIGN.md "Decisions": a clear protocol error for the session, the worker keeps running
+    session = mesh1._session
+    ref = session.new_ref()
+    first = CallFunction(session.new_seq(), [ref], [], FunctionPath("torch.ops.aten.ones.default"), ArgsKwargs(([1],)),
+                         ST0, [])
+    second = CallFunction(session.new_seq(), [ref], [], FunctionPath("torch.ops.aten.zeros.default"),
+                          ArgsKwargs(([1],)), ST0, [])
+    error = fails_fatally(mesh1, first, second)
+    assert f"Duplicate write to reference {ref}" in str(error)
+    assert_cluster_serves(client1)
+
+
+def test_variant_not_implemented_yet_fails_the_session(mesh1, client1, worker_pids):
+    session = mesh1._session
+    error = fails_fatally(mesh1, BorrowCreate(session.new_ref(), 0, session.new_ref(), ST0, ST0))
+    assert "not implemented yet: BorrowCreate" in str(error)
+    assert_cluster_serves(client1)
+
+
+# ---------------------------------------------------------------------------------------- controller checks
+def test_reduce_over_an_unknown_dim_raises_before_sending(mesh1, monkeypatch):
+    session = mesh1._session
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    sent = []
+    real_send = session.send
+    monkeypatch.setattr(session, "send", lambda message, ranks=None: (sent.append(message), real_send(message, ranks)))
+    with pytest.raises(KeyError, match="'nope' is not a dimension of the mesh"):
+        x.reduce("nope")
+    assert sent == []
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+# --------------------------------------------------------------------------------------------- value errors
+def test_unknown_function_is_a_value_error(mesh1, client1, worker_pids):
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    bad = dm.remote("i.dont.exist", propagate=lambda t: torch.empty(3))(x)
+    with pytest.raises(dm.RemoteException, match="failed to resolve function") as info:
+        dm.fetch_shard(bad).result(timeout=TIMEOUT)
+    assert "i.dont.exist" in str(info.value)
+    # x, an input that the failed call did not mutate, stays valid, and the session keeps working
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    with mesh1.activate():
+        y = dm.remote(make_values)(2)
+    assert torch.equal(dm.fetch_shard(y).result(timeout=TIMEOUT), make_values(2))
+    assert_cluster_serves(client1)
+
+
+def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+        a, b = dm.remote(one_tensor, propagate=two_fakes)()
+    for result in (a, b):
+        with pytest.raises(dm.RemoteException, match="unexpected number of returns from op, expected 2, got 1"):
+            dm.fetch_shard(result).result(timeout=TIMEOUT)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    assert_cluster_serves(client1)
