@@ -459,6 +459,10 @@ class Session:
         for _, future, _ in waiters:
             future._set(error=error)
         self._exit_remote(str(error))
+        try:  # fail rendezvous still waiting in this session (a rank building a communicator with a lost peer)
+            self.client.loop.add_callback(self.client.scheduler.monarch_session_close, session_id=self.id)
+        except Exception:
+            pass
 
     def _exit_remote(self, reason: str) -> None:
         """Best effort, no wait: ``Exit`` with an error to every rank whose worker is still there, so that peers

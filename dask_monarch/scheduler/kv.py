@@ -16,6 +16,7 @@ class KeyValueStore:
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
+        self.aborted: set[str] = set()  # prefixes whose waits fail at once (their session ended)
         self._changed = asyncio.Condition()
 
     async def _notify(self) -> None:
@@ -26,19 +27,32 @@ class KeyValueStore:
         self.data[key] = bytes(value)
         await self._notify()
 
+    def _aborted(self, keys) -> str | None:
+        for key in keys:
+            for prefix in self.aborted:
+                if key.startswith(prefix):
+                    return prefix
+        return None
+
     async def wait(self, keys: list, timeout: float) -> None:
-        """Return once every key exists; ``TimeoutError`` naming the missing keys after ``timeout`` seconds."""
+        """Return once every key exists; ``TimeoutError`` naming the missing keys after ``timeout`` seconds;
+        ``RuntimeError`` at once if the keys' session ended (``abort``)."""
         keys = list(keys)
 
         async def present():
             async with self._changed:
-                await self._changed.wait_for(lambda: all(k in self.data for k in keys))
+                await self._changed.wait_for(
+                    lambda: self._aborted(keys) is not None or all(k in self.data for k in keys)
+                )
 
         try:
             await asyncio.wait_for(present(), timeout)
         except asyncio.TimeoutError:
             missing = [k for k in keys if k not in self.data]
             raise TimeoutError(f"rendezvous store: keys {missing} did not appear within {timeout:g} s") from None
+        prefix = self._aborted(keys)
+        if prefix is not None:
+            raise RuntimeError(f"rendezvous aborted: the session of {prefix!r} ended")
 
     async def get(self, key: str, timeout: float) -> bytes:
         await self.wait([key], timeout)
@@ -70,10 +84,13 @@ class KeyValueStore:
     def delete(self, key: str) -> bool:
         return self.data.pop(key, None) is not None
 
-    def delete_prefix(self, prefix: str) -> int:
+    async def abort(self, prefix: str) -> int:
+        """End everything under ``prefix``: delete its keys and fail its pending and later waits."""
+        self.aborted.add(prefix)
         doomed = [k for k in self.data if k.startswith(prefix)]
         for k in doomed:
             del self.data[k]
+        await self._notify()
         return len(doomed)
 
     def num_keys(self) -> int:

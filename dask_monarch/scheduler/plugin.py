@@ -7,6 +7,7 @@ it attaches (``Client.register_plugin``), so the scheduler must be able to impor
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -85,10 +86,11 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
             "started": time.time(),
         }
 
-    def session_close(self, session_id: str) -> int:
-        """Forget a session and delete its rendezvous keys; returns the number of keys deleted."""
+    async def session_close(self, session_id: str) -> int:
+        """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank
+        blocked building a communicator with a lost peer stops now); returns the number of keys deleted."""
         self.sessions.pop(session_id, None)
-        return self.kv.delete_prefix(f"{session_id}/")
+        return await self.kv.abort(f"{session_id}/")
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}
@@ -106,4 +108,4 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                         {"op": END_SESSION_OP, "session_id": session_id,
                          "reason": f"the controller ({client}) disconnected"},
                     )
-            self.session_close(session_id)
+            asyncio.ensure_future(self.session_close(session_id))
