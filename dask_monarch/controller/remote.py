@@ -9,7 +9,6 @@ storage is sent in ``mutates``. Each call is one ``CallFunction``.
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 
 import cloudpickle
@@ -18,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
+from ..protocol.function import resolve_path
 from .mesh import DeviceMesh, get_active_mesh
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
@@ -45,7 +45,7 @@ def _importable_path(fn) -> str | None:
     obj = mod
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
-    if obj is fn:
+    if obj is fn or getattr(obj, "_remote_impl", None) is fn:  # a function decorated with @remote
         return f"{module}.{qualname}"
     name = getattr(fn, "__name__", None)
     if name and getattr(mod, name, None) is fn:  # builtins such as torch.zeros (qualname _VariableFunctionsClass.zeros)
@@ -81,18 +81,6 @@ def function_of(fn):
     return Cloudpickle(cloudpickle.dumps(fn))
 
 
-def _local_callable(fn):
-    if not isinstance(fn, str):
-        return fn
-    if fn.startswith("torch."):
-        obj = torch
-        for part in fn.split(".")[1:]:
-            obj = getattr(obj, part)
-        return obj
-    module, _, attr = fn.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
 class Remote:
     """A function bound for remote execution; call it with tensors of a mesh (or under ``mesh.activate()``).
 
@@ -104,6 +92,8 @@ class Remote:
     def __init__(self, fn, propagate=None):
         self._fn = fn
         self._propagate = propagate
+        #: what a worker calls when it resolves this object's path (spec §2: ``_remote_impl``)
+        self._remote_impl = fn
         self._function = None
         self.__name__ = getattr(fn, "__name__", str(fn))
         functools.update_wrapper(self, fn, updated=()) if callable(fn) else None
@@ -117,7 +107,10 @@ class Remote:
     def _shapes(self, args, kwargs):
         if self._propagate == "inspect":
             return None
-        fn = self._propagate if callable(self._propagate) else _local_callable(self._fn)
+        if callable(self._propagate):
+            fn = self._propagate
+        else:
+            fn = resolve_path(self._fn) if isinstance(self._fn, str) else self._fn
         return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):

@@ -18,7 +18,7 @@ from typing import Callable, Union
 
 import cloudpickle
 
-__all__ = ["FunctionPath", "Cloudpickle", "ResolvableFunction", "resolve_function", "TEST_PANIC"]
+__all__ = ["FunctionPath", "Cloudpickle", "ResolvableFunction", "resolve_function", "resolve_path", "TEST_PANIC"]
 
 #: The path that makes a stream fail fatally instead of calling anything (spec §2, "__test_panic").
 TEST_PANIC = "__test_panic"
@@ -57,7 +57,8 @@ ResolvableFunction = Union[FunctionPath, Cloudpickle]
 _cache: dict = {}
 
 
-def _resolve_path(path: str) -> Callable:
+def resolve_path(path: str) -> Callable:
+    """The object named by ``path`` under spec §2's rules (see the module docstring); not cached."""
     if "." not in path:
         raise ValueError(f"paths must be fully qualified: {path!r}")
     if path.startswith("torch."):
@@ -84,7 +85,7 @@ def resolve_function(function: ResolvableFunction) -> Callable:
     if fn is not None:
         return fn
     if type(function) is FunctionPath:
-        fn = _resolve_path(function.path)
+        fn = resolve_path(function.path)
     elif type(function) is Cloudpickle:
         fn = cloudpickle.loads(function.bytes)
     else:
