@@ -158,3 +158,34 @@ def test_reduce_of_failed_input_raises_on_fetch_and_others_survive(mesh2x2, x):
         fetch(r, host=0, gpu=1)
     ok = x.reduce("gpu", "sum")  # the communicator still works after the failed input took part as zeros
     assert torch.equal(fetch(ok, host=0, gpu=0), local_x(0, 0) + local_x(0, 1))
+
+
+def test_in_place_all_to_all(mesh2x2):
+    """DESIGN.md "Decisions": in-place stack + scatter (all-to-all) is allowed; in-place reduce-scatter is not."""
+    p = dm.remote(make_pair)(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    assert p.reduce_("gpu", "stack", scatter=True) is p
+    for h in range(2):
+        for g in range(2):
+            expected = torch.stack([local_pair(h, 0)[g], local_pair(h, 1)[g]])
+            assert torch.equal(fetch(p, host=h, gpu=g), expected)
+    with pytest.raises(ValueError, match="in-place, scatter not supported"):
+        p.reduce_("gpu", "sum", scatter=True)
+    with pytest.raises(ValueError, match="in-place, non-scatter not supported for stack"):
+        p.reduce_("gpu", "stack")
+
+
+def test_stack_into_out(mesh2x2, x):
+    with mesh2x2.activate():
+        out = dm.remote(torch.zeros)(2, 3, 4)
+    r = x.reduce("host", "stack", out=out)
+    expected = torch.stack([local_x(0, 1), local_x(1, 1)])
+    assert torch.equal(fetch(r, host=0, gpu=1), expected)
+    assert torch.equal(fetch(out, host=1, gpu=1), expected)
+
+
+def test_integer_bitwise_reductions(mesh2x2):
+    """Band/bor/bxor are supported where the backend supports them (DESIGN.md "Decisions"); gloo does."""
+    bits = dm.remote(torch.bitwise_left_shift)(1, mesh2x2.rank(("host", "gpu")))  # rank r holds 1 << r
+    assert fetch(bits.reduce((), "bor"), host=0, gpu=0).item() == 0b1111
+    assert fetch(bits.reduce((), "band"), host=0, gpu=0).item() == 0
+    assert fetch(bits.reduce("gpu", "bxor"), host=1, gpu=0).item() == 0b1100
