@@ -173,10 +173,10 @@ def main(argv=None) -> None:
     parser.add_argument("--scheduler", default=None,
                         help="address of an existing Dask scheduler (default: start a local cluster)")
     parser.add_argument("--workers", type=int, default=2, help="mesh size: number of data-parallel ranks")
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per rank per step")
+    parser.add_argument("--batch-size", type=int, default=16, help="training rows per rank per step")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
