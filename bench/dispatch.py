@@ -1,0 +1,417 @@
+"""Dispatch benchmark: how fast dask_monarch moves work to its workers, as ratios against local eager PyTorch
+measured in the same run (DESIGN.md "Performance design").
+
+(a) raw: tiny ``CallFunction`` messages (``aten.add.Tensor`` on two 4-element CPU tensors, each into a new ref,
+    with a ``DeleteRefs`` every 1000) sent through ONE worker with the low-level session API
+    (``session.send(msg, [0])``, then ``session.sync(...).result()``). Rate from the first send to the ``Status``
+    answer; target: at least 50,000 messages/s. Also the worker-side apply rate (two ``time.perf_counter``
+    calls run as messages, first and last, on the worker's stream) and the worker's time in Python's garbage
+    collector (``gc.callbacks`` installed with ``client.run``; nothing on the hot path).
+(b) the same op through the public ``remote()`` path (fake-tensor propagation on the controller).
+(c) a training step of examples/train_digits.py (gradient, ``reduce_`` avg over "dp", in-place SGD update) on a
+    2-worker mesh vs the same step (same global batch) in this process.
+
+Usage::
+
+    python bench/dispatch.py            # full run (about a minute)
+    python bench/dispatch.py --quick    # a few seconds of measuring
+    python bench/dispatch.py --profile  # also: per-message cost breakdown of a TensorWorker driven in-process
+    python bench/dispatch.py --scheduler tcp://host:8786   # an existing cluster with at least 2 workers
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import runpy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import dask_monarch as dm
+from dask_monarch.controller.session import DEFAULT_STREAM
+from dask_monarch.protocol import ArgsKwargs, CallFunction, DeleteRefs, FunctionPath, Ref, SendValue
+
+ADD = FunctionPath("torch.ops.aten.add.Tensor")
+CLOCK = FunctionPath("time.perf_counter")  # system-wide monotonic clock on Linux: comparable across processes
+TARGET = 50_000
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+
+
+def small_tensor(mesh) -> torch.Tensor:
+    return torch.ones(4)
+
+
+def local_add_rate(n: int = 100_000) -> float:
+    """Eager baseline: the same op on the same tensors in a loop in this process (ops/s, best of 5)."""
+    a, b, op = torch.ones(4), torch.ones(4), torch.ops.aten.add.Tensor
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            op(a, b)
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
+
+
+# ---------------------------------------------------------------------------------- worker-side GC accounting
+def _gc_timer_install() -> None:
+    import gc
+    import time
+
+    stats = {"collections": [0, 0, 0], "seconds": 0.0, "start": 0.0}
+
+    def callback(phase, info):
+        if phase == "start":
+            stats["start"] = time.perf_counter()
+        else:
+            stats["seconds"] += time.perf_counter() - stats["start"]
+            stats["collections"][info["generation"]] += 1
+
+    gc.callbacks.append(callback)
+    gc._dispatch_bench = (callback, stats)
+
+
+def _gc_set(enabled: bool) -> bool:
+    """Enable or disable the garbage collector of this process; returns whether it was enabled."""
+    import gc
+
+    was = gc.isenabled()
+    gc.enable() if enabled else gc.disable()
+    return was
+
+
+def _gc_timer_read() -> dict:
+    import gc
+
+    callback, stats = gc._dispatch_bench
+    gc.callbacks.remove(callback)
+    del gc._dispatch_bench
+    return {"collections": stats["collections"], "seconds": stats["seconds"], "tracked": len(gc.get_objects())}
+
+
+# ---------------------------------------------------------------------------------------------------- (a) raw
+def raw_round(mesh, a: Ref, b: Ref, n: int, delete_every: int = 1000, worker_gc: bool = True) -> dict:
+    """Send ``n`` CallFunction(aten.add) to rank 0, bracketed by two worker-side clock readings. With
+    ``worker_gc=False`` the worker's garbage collector is off for the round (a what-if; restored after)."""
+    session = mesh._session
+    first, last = session.new_ref(), session.new_ref()
+    messages = [CallFunction(session.new_seq(), [first], [], CLOCK, ArgsKwargs(), DEFAULT_STREAM, [])]
+    pending = []
+    for _ in range(n):
+        ref = session.new_ref()
+        pending.append(ref)
+        messages.append(CallFunction(session.new_seq(), [ref], [], ADD, ArgsKwargs((a, b), {}), DEFAULT_STREAM, []))
+        if len(pending) == delete_every:
+            messages.append(DeleteRefs(pending))
+            pending = []
+    messages.append(CallFunction(session.new_seq(), [last], [], CLOCK, ArgsKwargs(), DEFAULT_STREAM, []))
+    messages.append(DeleteRefs(pending))
+    worker = mesh.workers[0]
+    session.client.run(_gc_timer_install, workers=[worker])
+    if not worker_gc:
+        was_enabled = session.client.run(_gc_set, False, workers=[worker])[worker]
+
+    t0 = time.perf_counter()
+    for message in messages:
+        session.send(message, [0])
+    t_sent = time.perf_counter()
+    session.sync("raw dispatch").result()
+    t1 = time.perf_counter()
+
+    gc_stats = session.client.run(_gc_timer_read, workers=[worker])[worker]
+    if not worker_gc:
+        session.client.run(_gc_set, was_enabled, workers=[worker])
+    seqs = [session.new_seq(), session.new_seq()]
+    for seq, ref in zip(seqs, (first, last)):
+        session.send(SendValue(seq, None, [], None, ArgsKwargs((ref,), {}), DEFAULT_STREAM), [0])
+    session.send(DeleteRefs([first, last]), [0])
+    session.sync("worker clocks").result()
+    w0, w1 = (session.take_fetch_result(seq).value for seq in seqs)
+    return {
+        "e2e": n / (t1 - t0),
+        "apply": n / (w1 - w0),
+        "send_loop_s": t_sent - t0,
+        "first_apply_s": w0 - t0,
+        "gc_share": gc_stats["seconds"] / (t1 - t0),
+        "gc": gc_stats,
+    }
+
+
+def bench_raw(mesh, n: int, repeats: int) -> dict:
+    a = dm.remote(small_tensor)(mesh)
+    b = dm.remote(small_tensor)(mesh)
+    raw_round(mesh, a.ref, b.ref, min(n, 10_000))  # warm-up: first batch, function cache, allocator
+    rounds = sorted((raw_round(mesh, a.ref, b.ref, n) for _ in range(repeats)), key=lambda r: r["e2e"])
+    no_gc = sorted((raw_round(mesh, a.ref, b.ref, n, worker_gc=False) for _ in range(repeats)),
+                   key=lambda r: r["e2e"])
+    return {"median": rounds[len(rounds) // 2], "rounds": rounds, "no_gc": no_gc[len(no_gc) // 2]}
+
+
+# ------------------------------------------------------------------------------------------------ (b) remote()
+def bench_remote(mesh, n: int, repeats: int) -> dict:
+    add = dm.remote(torch.ops.aten.add.Tensor)
+    a = dm.remote(small_tensor)(mesh)
+    b = dm.remote(small_tensor)(mesh)
+    for _ in range(200):
+        add(a, b)
+    dm.inspect(add(a, b))
+    rates, loops = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            add(a, b)  # the result handle dies at once: its ref is freed with the next flush
+        t_loop = time.perf_counter()
+        mesh._session.sync("remote dispatch").result()
+        t1 = time.perf_counter()
+        rates.append(n / (t1 - t0))
+        loops.append((t_loop - t0) / n)
+    return {"rate": statistics.median(rates), "rates": rates, "call_us": statistics.median(loops) * 1e6}
+
+
+# ------------------------------------------------------------------------------------- (c) digits train step
+def bench_train_step(mesh, steps: int, repeats: int) -> dict:
+    # run_path, not import: the functions get a module name the workers cannot import, so they travel by value
+    # exactly as when the example runs as __main__
+    ex = runpy.run_path(str(EXAMPLE), run_name="train_digits_bench")
+    batch, lr, seed = 16, 0.05, 0
+    x, y, _, _ = dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed)
+    params, velocity = dm.remote(ex["init_params"])(mesh, seed)
+    gradient = dm.remote(ex["gradient"], propagate=ex["gradient_shapes"])
+    update_ = dm.remote(ex["sgd_step_"])
+    rows = x.shape[0]
+
+    def run(count: int, offset: int = 0) -> None:
+        for i in range(offset, offset + count):
+            start = (i * batch) % (rows - batch)
+            grad, loss = gradient(params, x, y, start, start + batch)
+            dm.reduce_(grad, "dp", "avg")
+            update_(params, velocity, grad, lr)
+
+    run(20)
+    dm.inspect(params)
+    rates, loops = [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        run(steps, offset=r * steps)
+        t_loop = time.perf_counter()
+        mesh._session.sync("train steps").result()
+        t1 = time.perf_counter()
+        rates.append(steps / (t1 - t0))
+        loops.append((t_loop - t0) / steps)
+
+    # local: one process, the same functions on the same global batch (world x batch rows), no reduce needed
+    from sklearn.datasets import load_digits
+
+    world = mesh.size("dp")
+    digits = load_digits()
+    lx = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+    ly = torch.tensor(digits.target, dtype=torch.int64)
+    lp, lv = ex["init_params"](None, seed)
+    global_batch = world * batch
+    local_rates = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            start = (i * global_batch) % (len(ly) - global_batch)
+            grad, loss = ex["gradient"](lp, lx, ly, start, start + global_batch)
+            ex["sgd_step_"](lp, lv, grad, lr)
+        local_rates.append(steps / (time.perf_counter() - t0))
+    return {"rate": statistics.median(rates), "rates": rates, "loop_ms": statistics.median(loops) * 1e3,
+            "local": max(local_rates), "world": world, "batch": batch}
+
+
+# ------------------------------------------------------------------------ per-message breakdown (--profile)
+def profile_breakdown(n: int) -> list[tuple[str, float]]:
+    """Per-message costs (microseconds) of a ``TensorWorker`` driven in this process, stage by stage."""
+    from dask_monarch.protocol import CreateStream, RequestStatus, StreamCreationMode, StreamRef, validate
+    from dask_monarch.worker.tensor_worker import TensorWorker
+
+    stream = StreamRef(0)
+
+    def messages(start_ref: int, seq0: int) -> list:
+        out, pending = [], []
+        for i in range(n):
+            ref = Ref(start_ref + i)
+            pending.append(ref)
+            out.append(CallFunction(seq0 + i, [ref], [], ADD, ArgsKwargs((Ref(0), Ref(1)), {}), stream, []))
+            if len(pending) == 1000:
+                out.append(DeleteRefs(pending))
+                pending = []
+        out.append(DeleteRefs(pending))
+        return out
+
+    def segments(msgs: list) -> list:
+        return [pickle.dumps(msgs[i:i + 4096], protocol=5) for i in range(0, len(msgs), 4096)]
+
+    def per_msg(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def threaded(tag: str) -> float:
+        """The real thing: dispatcher thread + stream thread, batches through the inbox."""
+        tw = TensorWorker(None, f"bench-{tag}", 0, 1)
+        tw.apply([CreateStream(stream, StreamCreationMode.UseDefaultStream)])
+        tw.flush_streams()
+        st = tw.streams[0]
+        st.enqueue(lambda _: st.env.update({0: torch.ones(4), 1: torch.ones(4)}), None)
+        st.flush()
+        segs = segments(messages(10, 0))
+        t0 = time.perf_counter()
+        for i, seg in enumerate(segs):
+            tw.inbox.put(i, [seg])
+        tw.inbox.put(len(segs), [pickle.dumps([RequestStatus(n, False)])])
+        tw.wait_status(n)
+        us = (time.perf_counter() - t0) / n * 1e6
+        tw.close()
+        return us
+
+    # inline pieces, one thread
+    tw = TensorWorker(None, "bench-inline", 0, 1)
+    tw.apply([CreateStream(stream, StreamCreationMode.UseDefaultStream)])
+    tw.flush_streams()
+    st = tw.streams[0]
+    st.stop()
+    st.thread.join()
+    a, b = torch.ones(4), torch.ones(4)
+    st.env.update({0: a, 1: b})
+    msgs = messages(10, 0)
+    segs = segments(msgs)
+    calls = [m for m in msgs if type(m) is CallFunction]
+    deletes = [m for m in msgs if type(m) is DeleteRefs]
+    op = torch.ops.aten.add.Tensor
+
+    def apply_no_validate():
+        handlers = tw._handlers
+        for m in msgs:
+            handlers[type(m)](m)
+        st.pending.clear()
+
+    def run_calls():
+        for m in calls:
+            st.call_function(m)
+
+    def run_deletes():
+        for m in deletes:
+            st.delete_refs(m.refs)
+
+    def inline_all():
+        for seg in segs:
+            tw.apply(pickle.loads(seg))
+            items, st.pending = st.pending, []
+            for handler, arg in items:
+                handler(arg)
+
+    rows = []
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        rows.append(("pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])))
+        rows.append(("validate() per message", per_msg(lambda: [validate(m) for m in msgs])))
+        rows.append(("dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)))
+        rows.append(("StreamWorker.call_function (all of it)", per_msg(run_calls)))
+        rows.append(("  of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])))
+        rows.append(("DeleteRefs, amortized", per_msg(run_deletes)))
+        st.env.clear()
+        st.env.update({0: a, 1: b})
+        no_gc = per_msg(inline_all)
+    finally:
+        if was_enabled:
+            gc.enable()
+    st.env.clear()
+    st.env.update({0: a, 1: b})
+    with_gc = per_msg(inline_all)
+    rows.append(("= all stages inline, one thread, GC off", no_gc))
+    rows.append(("  all stages inline, one thread, GC on", with_gc))
+    rows.append(("  -> Python GC share (on - off)", with_gc - no_gc))
+    rows.append(("real TensorWorker (dispatcher + stream threads)", threaded("threaded")))
+    gc.disable()
+    try:
+        rows.append(("real TensorWorker, GC off (what-if)", threaded("threaded-nogc")))
+    finally:
+        if was_enabled:
+            gc.enable()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def fmt_rate(value: float, unit: str) -> str:
+    return f"{value:>11,.0f} {unit}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small counts, one repeat")
+    parser.add_argument("--profile", action="store_true", help="add a per-message breakdown (in-process worker)")
+    parser.add_argument("--scheduler", default=None, help="address of an existing cluster (default: embedded)")
+    args = parser.parse_args(argv)
+    n_raw, n_remote, n_steps, repeats = (20_000, 2_000, 50, 1) if args.quick else (200_000, 10_000, 300, 3)
+
+    from distributed import Client
+
+    from dask_monarch.cluster import start_local_cluster
+
+    cluster = None
+    if args.scheduler:
+        client = Client(args.scheduler, set_as_default=False)
+    else:
+        cluster = start_local_cluster(2, silence_logs=40)
+        client = Client(cluster, set_as_default=False)
+    try:
+        with dm.attach(client, dims={"w": 1}) as one:
+            raw = bench_raw(one, n_raw, repeats)
+            rem = bench_remote(one, n_remote, repeats)
+        with dm.attach(client, dims={"dp": 2}) as two:
+            step = bench_train_step(two, n_steps, repeats)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+    local = local_add_rate()
+    m, nogc = raw["median"], raw["no_gc"]
+    gcs = m["gc"]
+    rounds = ", ".join(f"{r['e2e']:,.0f}" for r in raw["rounds"])
+    rows = [
+        ("(a) raw CallFunction aten.add, 1 worker", fmt_rate(m["e2e"], "msg/s"), fmt_rate(local, "op/s"),
+         f"{m['e2e'] / local:.4f}"),
+        ("    worker-side apply rate", fmt_rate(m["apply"], "msg/s"), "", f"{m['apply'] / local:.4f}"),
+        ("    worker time in Python GC", f"{100 * m['gc_share']:>11.0f} %    of the run "
+         f"({'/'.join(map(str, gcs['collections']))} gen0/1/2 collections, {gcs['tracked']:,} objects)", "", ""),
+        ("    what-if: worker GC off for the round", fmt_rate(nogc["e2e"], "msg/s"), "",
+         f"{nogc['e2e'] / local:.4f}"),
+        ("    target >= 50,000 msg/s end to end", f"{'MET' if m['e2e'] >= TARGET else 'NOT MET':>17}   "
+         f"(rounds: {rounds} msg/s of "
+         f"{n_raw:,} messages; controller send loop {m['send_loop_s']:.2f} s)", "", ""),
+        ("(b) remote(aten.add), 1 worker", fmt_rate(rem["rate"], "op/s"), fmt_rate(local, "op/s"),
+         f"{rem['rate'] / local:.4f}"),
+        ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us", "", ""),
+        ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
+         f"{step['rate'] / step['local']:.4f}"),
+        ("    controller time per step (3 messages)", f"{step['loop_ms']:>11.2f} ms     (global batch "
+         f"{step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
+    ]
+    mode = "quick" if args.quick else "full"
+    print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
+          f"load average {os.getloadavg()[0]:.1f}; median of {repeats})")
+    print(f"{'case':<44}{'through the mesh':>18}{'local eager':>20}{'ratio':>9}")
+    for label, mesh_value, local_value, ratio in rows:
+        if local_value or ratio:
+            print(f"{label:<44}{mesh_value:>18}{local_value:>20}{ratio:>9}")
+        else:
+            print(f"{label:<44}{mesh_value}")
+
+    if args.profile:
+        print("\nper-message cost of a TensorWorker driven in this process (us/msg; CallFunction aten.add)")
+        for label, us in profile_breakdown(20_000 if args.quick else 100_000):
+            print(f"  {label:<52}{us:>7.2f} us  ({1e6 / us:>9,.0f}/s)" if us > 0 else f"  {label:<52}{us:>7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
