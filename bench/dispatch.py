@@ -178,7 +178,7 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
     # run_path, not import: the functions get a module name the workers cannot import, so they travel by value
     # exactly as when the example runs as __main__
     ex = runpy.run_path(str(EXAMPLE), run_name="train_digits_bench")
-    batch, lr, seed = 16, 0.05, 0
+    batch, lr, seed = 16, 0.1, 0  # the example's defaults
     x, y, _, _ = dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed)
     params, velocity = dm.remote(ex["init_params"])(mesh, seed)
     gradient = dm.remote(ex["gradient"], propagate=ex["gradient_shapes"])
@@ -248,13 +248,22 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
     def segments(msgs: list) -> list:
         return [pickle.dumps(msgs[i:i + 4096], protocol=5) for i in range(0, len(msgs), 4096)]
 
-    def per_msg(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) / n * 1e6
+    def per_msg(fn, reset=None, repeats: int = 3) -> float:
+        """Best of ``repeats`` (the machine is shared: the minimum is the cost, the rest is interference)."""
+        best = float("inf")
+        for _ in range(repeats):
+            if reset is not None:
+                reset()
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        return best
 
     def threaded(tag: str) -> float:
-        """The real thing: dispatcher thread + stream thread, batches through the inbox."""
+        """The real thing: dispatcher thread + stream thread, batches through the inbox (best of 3)."""
+        return min(threaded_once(f"{tag}-{i}") for i in range(3))
+
+    def threaded_once(tag: str) -> float:
         tw = TensorWorker(None, f"bench-{tag}", 0, 1)
         tw.apply([CreateStream(stream, StreamCreationMode.UseDefaultStream)])
         tw.flush_streams()
@@ -279,7 +288,6 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
     st.stop()
     st.thread.join()
     a, b = torch.ones(4), torch.ones(4)
-    st.env.update({0: a, 1: b})
     msgs = messages(10, 0)
     segs = segments(msgs)
     calls = [m for m in msgs if type(m) is CallFunction]
@@ -291,6 +299,10 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
         for m in msgs:
             handlers[type(m)](m)
         st.pending.clear()
+
+    def fresh_env():
+        st.env.clear()
+        st.env.update({0: a, 1: b})
 
     def run_calls():
         for m in calls:
@@ -315,18 +327,14 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
         rows.append(("pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])))
         rows.append(("validate() per message", per_msg(lambda: [validate(m) for m in msgs])))
         rows.append(("dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)))
-        rows.append(("StreamWorker.call_function (all of it)", per_msg(run_calls)))
+        rows.append(("StreamWorker.call_function (all of it)", per_msg(run_calls, fresh_env)))
         rows.append(("  of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])))
         rows.append(("DeleteRefs, amortized", per_msg(run_deletes)))
-        st.env.clear()
-        st.env.update({0: a, 1: b})
-        no_gc = per_msg(inline_all)
+        no_gc = per_msg(inline_all, fresh_env)
     finally:
         if was_enabled:
             gc.enable()
-    st.env.clear()
-    st.env.update({0: a, 1: b})
-    with_gc = per_msg(inline_all)
+    with_gc = per_msg(inline_all, fresh_env)
     rows.append(("= all stages inline, one thread, GC off", no_gc))
     rows.append(("  all stages inline, one thread, GC on", with_gc))
     rows.append(("  -> Python GC share (on - off)", with_gc - no_gc))

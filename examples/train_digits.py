@@ -96,10 +96,16 @@ def load_shard_shapes(mesh, seed: int):
 
 
 def init_params(mesh, seed: int):
-    """The same initial parameters on every rank (same seed), and a zero momentum buffer."""
+    """The same initial parameters on every rank (same seed), and a zero momentum buffer. ``mesh`` only says
+    where this runs."""
     g = torch.Generator().manual_seed(seed)
-    params = torch.cat([torch.randn(math.prod(shape), generator=g) * math.sqrt(2 / shape[0]) if len(shape) == 2
-                        else torch.zeros(math.prod(shape)) for shape in SHAPES])
+    parts = []
+    for shape in SHAPES:
+        if len(shape) == 2:  # a weight matrix: He initialization
+            parts.append(torch.randn(shape, generator=g).flatten() * math.sqrt(2 / shape[0]))
+        else:  # a bias
+            parts.append(torch.zeros(shape))
+    params = torch.cat(parts)
     return params, torch.zeros_like(params)
 
 
@@ -178,6 +184,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--batch-size", type=int, default=16, help="training rows per rank per step")
     args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be at least 1")
 
     start = time.perf_counter()
     with dm.attach(args.scheduler, dims={"dp": args.workers}) as mesh:
