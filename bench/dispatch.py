@@ -304,6 +304,10 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
         st.env.clear()
         st.env.update({0: a, 1: b})
 
+    def env_with_results():
+        fresh_env()
+        st.env.update(dict.fromkeys(range(10, 10 + n), a))
+
     def run_calls():
         for m in calls:
             st.call_function(m)
@@ -329,7 +333,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
         rows.append(("dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)))
         rows.append(("StreamWorker.call_function (all of it)", per_msg(run_calls, fresh_env)))
         rows.append(("  of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])))
-        rows.append(("DeleteRefs, amortized", per_msg(run_deletes)))
+        rows.append(("DeleteRefs, amortized", per_msg(run_deletes, env_with_results)))
         no_gc = per_msg(inline_all, fresh_env)
     finally:
         if was_enabled:
