@@ -226,10 +226,11 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------------ per-message breakdown (--profile)
-def profile_breakdown(n: int) -> list[tuple[str, float]]:
-    """Per-message costs (microseconds) of a ``TensorWorker`` driven in this process, stage by stage."""
+def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
+    """Per-message costs (microseconds) of a ``TensorWorker`` driven in this process, stage by stage (a row
+    whose cost is None is a heading)."""
     from dask_monarch.protocol import CreateStream, RequestStatus, StreamCreationMode, StreamRef, validate
-    from dask_monarch.worker.tensor_worker import TensorWorker
+    from dask_monarch.worker.tensor_worker import TensorWorker, _loads  # _loads: how the dispatcher unpickles
 
     stream = StreamRef(0)
 
@@ -288,64 +289,76 @@ def profile_breakdown(n: int) -> list[tuple[str, float]]:
     st.stop()
     st.thread.join()
     a, b = torch.ones(4), torch.ones(4)
-    msgs = messages(10, 0)
-    segs = segments(msgs)
-    calls = [m for m in msgs if type(m) is CallFunction]
-    deletes = [m for m in msgs if type(m) is DeleteRefs]
+    segs = segments(messages(10, 0))
     op = torch.ops.aten.add.Tensor
-
-    def apply_no_validate():
-        handlers = tw._handlers
-        for m in msgs:
-            handlers[type(m)](m)
-        st.pending.clear()
 
     def fresh_env():
         st.env.clear()
         st.env.update({0: a, 1: b})
 
-    def env_with_results():
-        fresh_env()
-        st.env.update(dict.fromkeys(range(10, 10 + n), a))
-
-    def run_calls():
-        for m in calls:
-            st.call_function(m)
-
-    def run_deletes():
-        for m in deletes:
-            st.delete_refs(m.refs)
-
     def inline_all():
         for seg in segs:
-            tw.apply(pickle.loads(seg))
+            tw.apply(_loads(seg))
             items, st.pending = st.pending, []
             for handler, arg in items:
                 handler(arg)
 
-    rows = []
+    def stage_costs() -> list:
+        """Each stage with the garbage collector off. The message objects live only in this call: a worker holds
+        only the batch in flight, and extra live objects would slow every full collection measured later."""
+        msgs = [m for seg in segs for m in pickle.loads(seg)]
+        calls = [m for m in msgs if type(m) is CallFunction]
+        deletes = [m for m in msgs if type(m) is DeleteRefs]
+
+        def apply_no_validate():
+            handlers = tw._handlers
+            for m in msgs:
+                handlers[type(m)](m)
+            st.pending.clear()
+
+        def env_with_results():
+            fresh_env()
+            st.env.update(dict.fromkeys(range(10, 10 + n), a))
+
+        def run_calls():
+            for m in calls:
+                st.call_function(m)
+
+        def run_deletes():
+            for m in deletes:
+                st.delete_refs(m.refs)
+
+        return [
+            ("  pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])),
+            ("  validate() per message", per_msg(lambda: [validate(m) for m in msgs])),
+            ("  dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)),
+            ("  StreamWorker.call_function (all of it)", per_msg(run_calls, fresh_env)),
+            ("    of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])),
+            ("  DeleteRefs, amortized", per_msg(run_deletes, env_with_results)),
+        ]
+
+    rows = [("GC off: the CPU cost of each stage", None)]
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        rows.append(("pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])))
-        rows.append(("validate() per message", per_msg(lambda: [validate(m) for m in msgs])))
-        rows.append(("dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)))
-        rows.append(("StreamWorker.call_function (all of it)", per_msg(run_calls, fresh_env)))
-        rows.append(("  of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])))
-        rows.append(("DeleteRefs, amortized", per_msg(run_deletes, env_with_results)))
+        rows.extend(stage_costs())
         no_gc = per_msg(inline_all, fresh_env)
+        rows.append(("  = all stages inline, one thread", no_gc))
     finally:
         if was_enabled:
             gc.enable()
+    gc.collect()
+    rows.append(("GC on, as in a worker", None))
+    rows.append(("  the dispatcher's _loads (GC paused inside)", per_msg(lambda: [_loads(s) for s in segs])))
+    rows.append(("  plain pickle.loads, for comparison", per_msg(lambda: [pickle.loads(s) for s in segs])))
     with_gc = per_msg(inline_all, fresh_env)
-    rows.append(("= all stages inline, one thread, GC off", no_gc))
-    rows.append(("  all stages inline, one thread, GC on", with_gc))
-    rows.append(("  -> Python GC share (on - off)", with_gc - no_gc))
-    rows.append(("real TensorWorker (dispatcher + stream threads)", threaded("threaded")))
+    rows.append(("  all stages inline, one thread", with_gc))
+    rows.append(("  -> Python GC share (GC on - GC off)", with_gc - no_gc))
+    rows.append(("  real TensorWorker (dispatcher + stream threads)", threaded("threaded")))
     gc.disable()
     try:
-        rows.append(("real TensorWorker, GC off (what-if)", threaded("threaded-nogc")))
+        rows.append(("  what-if: real TensorWorker with GC off", threaded("threaded-nogc")))
     finally:
         if was_enabled:
             gc.enable()
@@ -422,7 +435,12 @@ def main(argv=None) -> None:
     if args.profile:
         print("\nper-message cost of a TensorWorker driven in this process (us/msg; CallFunction aten.add)")
         for label, us in profile_breakdown(20_000 if args.quick else 100_000):
-            print(f"  {label:<52}{us:>7.2f} us  ({1e6 / us:>9,.0f}/s)" if us > 0 else f"  {label:<52}{us:>7.2f} us")
+            if us is None:
+                print(f"  {label}")
+            elif us > 0:
+                print(f"  {label:<52}{us:>7.2f} us  ({1e6 / us:>9,.0f}/s)")
+            else:
+                print(f"  {label:<52}{us:>7.2f} us")
 
 
 if __name__ == "__main__":
