@@ -105,7 +105,7 @@ def raw_round(mesh, a: Ref, b: Ref, n: int, delete_every: int = 1000, worker_gc:
     for _ in range(n):
         ref = session.new_ref()
         pending.append(ref)
-        messages.append(CallFunction(session.new_seq(), [ref], [], ADD, ArgsKwargs((a, b), {}), DEFAULT_STREAM, []))
+        messages.append(CallFunction(session.new_seq(), [ref], (), ADD, ArgsKwargs((a, b), {}), DEFAULT_STREAM, ()))
         if len(pending) == delete_every:
             messages.append(DeleteRefs(pending))
             pending = []

@@ -150,9 +150,9 @@ class Remote:
                     results.append(None)
                     values.append(leaf)
             seq = session.new_seq()
-            message = CallFunction(
-                seq, results, [t.ref for t in mutates], self.function, ArgsKwargs(tuple(args), dict(kwargs)),
-                DEFAULT_STREAM, [],
+            message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
+                seq, results, tuple(t.ref for t in mutates), self.function, ArgsKwargs(tuple(args), dict(kwargs)),
+                DEFAULT_STREAM, (),
             )
             session.record(
                 seq,

@@ -16,11 +16,17 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..protocol import (
+    CallFunction,
+    DeleteRefs,
     FetchResult,
     FunctionPath,
     GetRefResult,
     Ref,
+    Reduce,
     RemoteFunctionFailed,
+    SendValue,
+    SetRefUnitTestsOnly,
+    GetRefUnitTestsOnly,
     StreamCreationMode,
     StreamRef,
     WireValue,
@@ -31,7 +37,7 @@ from ..protocol.function import TEST_PANIC
 from . import comm
 from .errors import DependentError, FatalError, SeqError
 
-__all__ = ["StreamWorker"]
+__all__ = ["StreamWorker", "StatusBarrier"]
 
 _MISSING = object()
 _STOP = object()
@@ -60,6 +66,26 @@ def _to_cpu(value):
     return tree_map(lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v, value)
 
 
+class StatusBarrier:
+    """A ``RequestStatus`` queued on every stream: the last stream to reach it emits ``Status{seq + 1}``."""
+
+    __slots__ = ("tw", "seq", "controller", "remaining", "lock")
+
+    def __init__(self, tw, seq: int, controller: bool, count: int):
+        self.tw = tw
+        self.seq = seq
+        self.controller = controller
+        self.remaining = count
+        self.lock = threading.Lock()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.remaining -= 1
+            done = self.remaining == 0
+        if done:
+            self.tw.emit_status(self.seq, self.controller)
+
+
 class StreamWorker:
     """Stream ``ref`` of ``tensor_worker``. ``creation`` is the ``StreamCreationMode`` (a CUDA stream on GPU
     workers, in a later issue; CPU work runs on the thread)."""
@@ -78,9 +104,10 @@ class StreamWorker:
         self.thread.start()
 
     # ------------------------------------------------------------------ dispatcher side (one thread: the dispatcher)
-    def enqueue(self, handler, arg) -> None:
-        """Queue ``handler(arg)`` behind everything queued before; delivered at the next ``flush``."""
-        self.pending.append((handler, arg))
+    def enqueue(self, msg) -> None:
+        """Queue ``msg`` (a message this stream handles, or a ``StatusBarrier``) behind everything queued before;
+        delivered at the next ``flush``."""
+        self.pending.append(msg)
 
     def flush(self) -> None:
         if self.pending:
@@ -99,6 +126,15 @@ class StreamWorker:
     def _run(self) -> None:
         tw = self.tw
         get = self._queue.get
+        handlers = {
+            CallFunction: self.call_function,
+            SendValue: self.send_value,
+            Reduce: self.reduce,
+            DeleteRefs: self.delete_refs,
+            SetRefUnitTestsOnly: self.set_ref,
+            GetRefUnitTestsOnly: self.get_ref,
+            StatusBarrier: StatusBarrier.arrive,
+        }
         while True:
             items = get()
             if items is _STOP:
@@ -106,8 +142,8 @@ class StreamWorker:
             if tw.failure is not None:
                 continue
             try:
-                for handler, arg in items:
-                    handler(arg)
+                for msg in items:
+                    handlers[type(msg)](msg)
                 self.applied += len(items)
             except FatalError as e:
                 tw.fail(f"stream {self.ref.id}: {e}")
@@ -261,10 +297,10 @@ class StreamWorker:
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
 
-    def delete_refs(self, refs) -> None:
+    def delete_refs(self, msg) -> None:
         """``DeleteRefs``: drop what this stream has; missing refs are ignored (spec §2)."""
         pop = self.env.pop
-        for ref in refs:
+        for ref in msg.refs:
             pop(ref.id, None)
 
     def set_ref(self, msg) -> None:
@@ -321,7 +357,3 @@ class StreamWorker:
         if msg.result.id in env and msg.result.id not in (msg.tensor.id, getattr(msg.out, "id", None)):
             raise FatalError(f"Reduce: Duplicate write to reference {msg.result}")
         env[msg.result.id] = error if error is not None else output
-
-    def status_marker(self, barrier) -> None:
-        """Arrive at a ``RequestStatus`` barrier once everything queued before it has run."""
-        barrier.arrive()

@@ -59,7 +59,7 @@ from .comm import CommError, Comms
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox
-from .stream import StreamWorker
+from .stream import StatusBarrier, StreamWorker
 
 __all__ = ["TensorWorker", "SessionParams"]
 
@@ -89,26 +89,6 @@ class SessionParams(tuple):
 
     def __reduce__(self):
         return (SessionParams, tuple(self))
-
-
-class _StatusBarrier:
-    """Counts streams down to a ``RequestStatus``; the last one to arrive emits ``Status{seq + 1}``."""
-
-    __slots__ = ("tw", "seq", "controller", "remaining", "lock")
-
-    def __init__(self, tw: "TensorWorker", seq: int, controller: bool, count: int):
-        self.tw = tw
-        self.seq = seq
-        self.controller = controller
-        self.remaining = count
-        self.lock = threading.Lock()
-
-    def arrive(self) -> None:
-        with self.lock:
-            self.remaining -= 1
-            done = self.remaining == 0
-        if done:
-            self.tw.emit_status(self.seq, self.controller)
 
 
 class TensorWorker:
@@ -317,15 +297,15 @@ class TensorWorker:
 
     def call_function(self, msg: CallFunction) -> None:
         stream = self._stream(msg.stream, f"CallFunction seq {msg.seq}")
-        stream.enqueue(stream.call_function, msg)
+        stream.enqueue(msg)
 
     def send_value(self, msg: SendValue) -> None:
         stream = self._stream(msg.stream, f"SendValue seq {msg.seq}")
-        stream.enqueue(stream.send_value, msg)
+        stream.enqueue(msg)
 
     def reduce(self, msg: Reduce) -> None:
         stream = self._stream(msg.stream, "Reduce")
-        stream.enqueue(stream.reduce, msg)
+        stream.enqueue(msg)
 
     def command_group(self, msg: CommandGroup) -> None:
         self.apply(msg.commands)
@@ -347,7 +327,7 @@ class TensorWorker:
         for ref in msg.refs:
             self.device_meshes.pop(ref.id, None)
         for stream in self.streams.values():
-            stream.enqueue(stream.delete_refs, msg.refs)
+            stream.enqueue(msg)
 
     def request_status(self, msg: RequestStatus) -> None:
         """``Status{seq + 1}`` once every stream has run what was queued before (spec §2). Non-blocking: each
@@ -356,9 +336,9 @@ class TensorWorker:
         if not streams:
             self.emit_status(msg.seq, msg.controller)
             return
-        barrier = _StatusBarrier(self, msg.seq, msg.controller, len(streams))
+        barrier = StatusBarrier(self, msg.seq, msg.controller, len(streams))
         for stream in streams:
-            stream.enqueue(stream.status_marker, barrier)
+            stream.enqueue(barrier)
 
     def exit(self, msg: Exit) -> None:
         """Drain and stop every stream and end the session on this worker; the Dask worker lives on."""
@@ -373,11 +353,11 @@ class TensorWorker:
 
     def set_ref_unit_tests_only(self, msg: SetRefUnitTestsOnly) -> None:
         stream = self._stream(msg.stream, "SetRefUnitTestsOnly")
-        stream.enqueue(stream.set_ref, msg)
+        stream.enqueue(msg)
 
     def get_ref_unit_tests_only(self, msg: GetRefUnitTestsOnly) -> None:
         stream = self._stream(msg.stream, "GetRefUnitTestsOnly")
-        stream.enqueue(stream.get_ref, msg)
+        stream.enqueue(msg)
 
     def not_implemented(self, msg) -> None:
         """Variants a later issue implements: a clear fatal error, never a hang."""
