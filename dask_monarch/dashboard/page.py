@@ -10,7 +10,7 @@ import logging
 import time
 
 from bokeh.layouts import column
-from bokeh.models import ColumnDataSource, DataTable, Div, NumberFormatter, TableColumn
+from bokeh.models import ColumnDataSource, CustomJS, DataTable, Div, NumberFormatter, TableColumn
 from bokeh.plotting import figure
 
 from .data import NO_SESSION, RANK_COLUMNS, RATE_COLUMNS, SESSION_COLUMNS, DashboardData
@@ -50,7 +50,7 @@ class MonarchPage:
         count = NumberFormatter(format="0,0")
         self.sessions = DataTable(
             source=self.session_source, name="monarch-sessions", sizing_mode="stretch_width", height=2 * _ROW,
-            index_position=None, autosize_mode="fit_columns",
+            index_position=None,
             columns=[
                 TableColumn(field="session", title="session", width=90),
                 TableColumn(field="id", title="id", width=250),
@@ -64,7 +64,7 @@ class MonarchPage:
         )
         self.ranks = DataTable(
             source=self.rank_source, name="monarch-ranks", sizing_mode="stretch_width", height=2 * _ROW,
-            index_position=None, autosize_mode="fit_columns",
+            index_position=None,
             columns=[
                 TableColumn(field="session", title="session", width=80),
                 TableColumn(field="rank", title="rank", width=40),
@@ -83,6 +83,10 @@ class MonarchPage:
                 TableColumn(field="last_error", title="last error", width=300),
             ],
         )
+        for table in (self.sessions, self.ranks):
+            # BokehJS redraws a table when its rows' indices change, not when only their values do (bokeh 3.9):
+            # redraw it on every new data
+            table.source.js_on_change("data", CustomJS(args={"view": table.view}, code="view.change.emit()"))
         self.rates = figure(
             title="messages received per second, per rank", x_axis_type="datetime", height=260,
             sizing_mode="stretch_width", name="monarch-rates", tools="", toolbar_location=None,
