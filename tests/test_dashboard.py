@@ -9,6 +9,7 @@ import time
 import urllib.request
 from types import SimpleNamespace
 
+import distributed
 import pytest
 import torch
 from distributed.utils import key_split
@@ -197,6 +198,12 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     assert dm.inspect(x).tolist() == [51.0] * 256
     with pytest.raises(RemoteException, match="boom from the dashboard test"):
         dm.inspect(bad)
+
+    # a wait's Dask futures (one per rank), for Dask's own progress and wait tools
+    answer = dm.fetch_shard(x, dp=1)
+    distributed.wait(answer.futures, timeout=30)
+    assert sorted(parse_task_key(f.key)[::2] for f in answer.futures) == [("fetch", 0), ("fetch", 1)]
+    assert answer.result().tolist() == [51.0] * 256
 
     # heartbeat metrics, as the scheduler (and so the page) sees them
     def heartbeat():
