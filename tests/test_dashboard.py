@@ -163,6 +163,13 @@ def test_page_models_show_no_session_then_rows():
     assert page.ranks.height > page.sessions.height  # tables grow with their rows
 
 
+def test_install_page_without_a_dashboard_does_nothing():
+    from dask_monarch.dashboard import install_page
+
+    assert install_page(SimpleNamespace(http_application=SimpleNamespace(applications=[]))) is False
+    assert install_page(SimpleNamespace()) is False
+
+
 # ----------------------------------------------------------------------------------------- on a live cluster
 def add_one(x):
     return x + 1
