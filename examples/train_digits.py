@@ -11,7 +11,9 @@ Run it::
     python examples/train_digits.py --workers 4 --epochs 10
     python examples/train_digits.py --scheduler tcp://127.0.0.1:8786   # workers of an existing cluster
 
-The last line printed is ``test_accuracy=0.XXXX``.
+The last line printed is ``test_accuracy=0.XXXX``. On a terminal a progress bar per epoch runs on stderr
+(``--progress``/``--no-progress`` to choose); the epoch lines and the last line go to stdout either way. While it
+runs, the Dask dashboard's ``/monarch`` page shows the mesh, each rank's message counters and rates.
 
 The functions that run on the workers are ordinary PyTorch functions defined in this file. Because this file
 runs as ``__main__``, dask_monarch sends them by value (cloudpickle), so the workers do not need this file on
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import numpy as np
@@ -148,14 +151,31 @@ def count_correct(params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tor
 
 
 # ---------------------------------------------------------------------------------------------- controller
-def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: float) -> float:
-    """Train on ``mesh`` and return the test accuracy."""
+def progress_bar(epochs: int, enabled: bool | None):
+    """A per-epoch progress bar on stderr (tqdm), or None: when disabled, when ``enabled`` is None and stderr is
+    not a terminal, or without tqdm."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=epochs, desc="training", unit="epoch", file=sys.stderr, dynamic_ncols=True)
+
+
+def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: float,
+          progress: bool | None = None) -> float:
+    """Train on ``mesh`` and return the test accuracy. ``progress``: show a progress bar per epoch (None: on a
+    terminal)."""
     # Every call below runs on every rank of the mesh and returns remote tensors (handles) immediately.
     x, y, x_test, y_test = dm.remote(load_shard, propagate=load_shard_shapes)(mesh, seed)
     params, velocity = dm.remote(init_params)(mesh, seed)
     compute_gradient = dm.remote(gradient, propagate=gradient_shapes)
     update_ = dm.remote(sgd_step_)  # on fake tensors the controller sees params/velocity change: mutated
     steps = x.shape[0] // batch_size
+    bar = progress_bar(epochs, progress)
 
     for epoch in range(1, epochs + 1):
         dm.remote(shuffle_)(x, y, seed, epoch)  # x and y are mutated
@@ -169,8 +189,16 @@ def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: 
         # The only wait of the epoch: rank 0's mean training loss and the test counts summed over ranks.
         train_loss, (correct, total) = dm.fetch_shard((dm.remote(mean)(losses), counts), dp=0).result()
         accuracy = correct.item() / total.item()
-        print(f"epoch {epoch:3d}  train_loss {train_loss.item():.4f}  test_acc {accuracy:.4f}  "
-              f"elapsed {time.perf_counter() - start_time:6.1f} s", flush=True)
+        line = (f"epoch {epoch:3d}  train_loss {train_loss.item():.4f}  test_acc {accuracy:.4f}  "
+                f"elapsed {time.perf_counter() - start_time:6.1f} s")
+        if bar is None:
+            print(line, flush=True)
+        else:
+            bar.write(line, file=sys.stdout)  # above the bar, on stdout
+            bar.set_postfix(train_loss=f"{train_loss.item():.4f}", test_acc=f"{accuracy:.4f}", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return accuracy
 
 
@@ -183,6 +211,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--batch-size", type=int, default=16, help="training rows per rank per step")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar per epoch on stderr (default: when stderr is a terminal)")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be at least 1")
@@ -190,7 +220,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     with dm.attach(args.scheduler, dims={"dp": args.workers}) as mesh:
         print(f"attached to {mesh!r} in {time.perf_counter() - start:.1f} s", flush=True)
-        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start)
+        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start, args.progress)
     print(f"test_accuracy={accuracy:.4f}")
 
 

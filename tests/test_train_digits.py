@@ -1,6 +1,7 @@
 """End-to-end runs of examples/train_digits.py as a user runs it: a subprocess, 2 workers, real digits data.
 
-The last line of its output must be ``test_accuracy=0.XXXX`` with a value of at least 0.95.
+The last line of its output must be ``test_accuracy=0.XXXX`` with a value of at least 0.95; the per-epoch progress
+bar goes to stderr, only when asked for (or on a terminal).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ EXAMPLE = ROOT / "examples" / "train_digits.py"
 LAST_LINE = re.compile(r"test_accuracy=(\d\.\d{4})")
 
 
-def run_example(*args: str, timeout: float = 240) -> str:
+def run_example(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return proc
 
 
 def check_accuracy(stdout: str) -> None:
@@ -37,7 +38,12 @@ def check_accuracy(stdout: str) -> None:
 
 
 def test_train_digits_embedded_cluster():
-    check_accuracy(run_example("--workers", "2"))
+    """With ``--progress``: a progress bar per epoch on stderr, stdout unchanged."""
+    proc = run_example("--workers", "2", "--progress")
+    check_accuracy(proc.stdout)
+    bar = proc.stderr.replace("\r", "\n")
+    assert re.search(r"training: +100%.*\b15/15 ", bar), f"no finished per-epoch progress bar on stderr:\n{bar[-2000:]}"
+    assert "training" not in proc.stdout
 
 
 def test_train_digits_existing_cluster(tmp_path):
@@ -63,7 +69,9 @@ def test_train_digits_existing_cluster(tmp_path):
                  "--dashboard-address", ":0"],
                 cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
-        check_accuracy(run_example("--scheduler", address, "--workers", "2"))
+        proc = run_example("--scheduler", address, "--workers", "2")
+        check_accuracy(proc.stdout)
+        assert "training:" not in proc.stderr, "a progress bar although stderr is not a terminal"
     finally:
         for proc in reversed(procs):
             proc.terminate()

@@ -90,7 +90,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
                 raise RemoteException(seq, rank, session.workers[rank], answer.error.backtrace, "fetch_shard")
             return answer.value
 
-        return session.sync(f"fetch_shard (seq {seq}) from rank {rank}", on_done=value)
+        return session.sync(f"fetch_shard (seq {seq}) from rank {rank}", on_done=value, kind="fetch")
 
 
 def inspect(obj, shard: dict | None = None, **coords):

@@ -6,7 +6,8 @@ for the same set of ranks form a segment that is pickled once and shared by ever
 every rank is serialized once. Each rank's tasks carry an increasing batch number; the worker's inbox restores
 the order that Dask does not keep.
 
-Answers come back from ``monarch-sync`` tasks, whose results feed ``History`` and the fetch futures.
+Answers come back from the ``sync_batch`` tasks (keys ``monarch-fetch-...``, ``monarch-status-...``,
+``monarch-exit-...``; ``task_keys``), whose results feed ``History`` and the fetch futures.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ..protocol import (
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
 from .history import History
+from .task_keys import parse_task_key, task_key
 
 __all__ = ["Session", "MonarchFuture"]
 
@@ -72,6 +74,8 @@ class MonarchFuture:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self.status_seq = status_seq
         self._describe = describe
+        #: the Dask futures of the tasks this answer waits for (one per rank), e.g. for ``distributed.progress``
+        self.futures: list = []
 
     def done(self) -> bool:
         return self._future.done()
@@ -273,10 +277,10 @@ class Session:
             self.history.drop_ref(ref_id)
         return [(targets, DeleteRefs(refs)) for targets, refs in by_targets.items()]
 
-    def _flush_locked(self, sync_seq: int | None, exit_after: bool = False):
-        """Send what is buffered as one task per rank. With ``sync_seq``, every rank gets a ``monarch-sync``
-        task ending with ``RequestStatus{sync_seq}`` (then ``Exit`` if ``exit_after``) and the futures of those
-        tasks are returned."""
+    def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status"):
+        """Send what is buffered as one task per rank (``monarch-messages-...``). With ``sync_seq``, every rank
+        gets a ``sync_batch`` task of ``kind`` (``task_keys``) ending with ``RequestStatus{sync_seq}`` (then
+        ``Exit`` if ``exit_after``) and the futures of those tasks are returned."""
         items = self._buffer
         self._buffer = []
         self._wake.clear()
@@ -310,14 +314,14 @@ class Session:
             if sync_seq is not None:
                 fut = self.client.submit(
                     sync_batch, self.params[rank], bseq, blobs, sync_seq, exit_after,
-                    key=f"monarch-sync-{self._key}-{rank}-{bseq}", **common,
+                    key=task_key("exit" if exit_after else kind, self.id, rank, bseq), **common,
                 )
                 fut.add_done_callback(self._on_sync_done)
                 futures[rank] = fut
             else:
                 fut = self.client.submit(
                     deliver_batch, self.params[rank], bseq, blobs,
-                    key=f"monarch-batch-{self._key}-{rank}-{bseq}", **common,
+                    key=task_key("messages", self.id, rank, bseq), **common,
                 )
                 fut.add_done_callback(self._on_batch_done)
             inflight = self._inflight[rank]
@@ -340,15 +344,17 @@ class Session:
                 self._fail(SessionError(f"session {self.id}: could not send a message batch: {e}"))
 
     # ------------------------------------------------------------------------------------------------ waits
-    def sync(self, describe: str, on_done=None, exit_after: bool = False) -> MonarchFuture:
+    def sync(self, describe: str, on_done=None, exit_after: bool = False, kind: str = "status") -> MonarchFuture:
         """Flush, then ``RequestStatus`` on every rank. The returned future resolves once every rank has answered
-        ``Status`` past it; ``on_done()`` (under the session lock) computes its value or raises."""
+        ``Status`` past it; ``on_done()`` (under the session lock) computes its value or raises. ``kind`` names
+        the tasks on the dashboard (``"status"`` or ``"fetch"``; ``"exit"`` with ``exit_after``)."""
         with self.lock:
             self.check_ok()
             seq = self.new_seq()
             future = MonarchFuture(self, seq, describe)
             self._waiters.append((seq, future, on_done))
-            self._flush_locked(seq, exit_after=exit_after)
+            futures = self._flush_locked(seq, exit_after=exit_after, kind=kind)
+            future.futures = list(futures.values()) if futures else []
             return future
 
     def describe_pending(self, seq: int, diagnose: bool = False) -> str:
@@ -398,7 +404,7 @@ class Session:
             self._fail(SessionError(f"session {self.id}: delivering a message batch ({fut.key}) failed: {exc}"))
 
     def _on_sync_done(self, fut) -> None:
-        rank = int(fut.key.rsplit("-", 2)[1])
+        rank = parse_task_key(fut.key)[2]
         if fut.status != "finished":
             try:
                 exc = fut.exception()
@@ -475,7 +481,7 @@ class Session:
                 self._batch_seq[rank] = bseq + 1
                 try:
                     self._inflight[rank].append(self.client.submit(
-                        deliver_batch, self.params[rank], bseq, [blob], key=f"monarch-exit-{self._key}-{rank}-{bseq}",
+                        deliver_batch, self.params[rank], bseq, [blob], key=task_key("exit", self.id, rank, bseq),
                         workers=[address], allow_other_workers=False, pure=False, priority=-bseq,
                     ))
                 except Exception:

@@ -1,13 +1,15 @@
 """``MonarchSchedulerPlugin``: what dask_monarch keeps in the Dask scheduler (DESIGN.md "The picture").
 
 It holds the rendezvous key-value store that workers' ``SchedulerStore`` reaches through the ``monarch_kv_*``
-RPC handlers, and the table of live sessions (controller, mesh dims, ranks). The controller registers it when
+RPC handlers, and the table of live sessions (controller, mesh dims, ranks). When it starts it adds the
+``/monarch`` page to the scheduler's dashboard (``dask_monarch.dashboard``). The controller registers it when
 it attaches (``Client.register_plugin``), so the scheduler must be able to import dask_monarch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -17,12 +19,14 @@ from .kv import KeyValueStore
 
 __all__ = ["MonarchSchedulerPlugin", "PLUGIN_NAME"]
 
+logger = logging.getLogger("dask_monarch.scheduler")
+
 PLUGIN_NAME = "dask-monarch"
 
 
 class MonarchSchedulerPlugin(SchedulerPlugin):
-    """Scheduler side of dask_monarch: rendezvous store and session table. Idempotent: registering it again
-    (a second controller) keeps the running instance."""
+    """Scheduler side of dask_monarch: rendezvous store, session table and dashboard page. Idempotent:
+    registering it again (a second controller) keeps the running instance."""
 
     name = PLUGIN_NAME
     idempotent = True
@@ -50,6 +54,18 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 "monarch_sessions": self.list_sessions,
             }
         )
+        try:
+            from ..dashboard import install_page
+
+            install_page(scheduler)
+        except Exception:  # the page is a convenience: never keep the rendezvous store from starting
+            logger.warning("dask_monarch: could not add the /monarch dashboard page", exc_info=True)
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            from ..dashboard import uninstall_page
+
+            uninstall_page(self.scheduler)
 
     # ----------------------------------------------------------------------------------------- rendezvous store
     async def kv_set(self, key: str, value: bytes) -> None:

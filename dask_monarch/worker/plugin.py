@@ -3,8 +3,8 @@
 
 The controller sends each worker its messages as pinned Dask tasks:
 
-* ``deliver_batch`` (key ``monarch-batch-...``, ``async``): hands a batch to the session's inbox and returns.
-* ``sync_batch`` (key ``monarch-sync-...``): hands its batch over (which ends with ``RequestStatus{seq}``),
+* ``deliver_batch`` (key ``monarch-messages-...``, ``async``): hands a batch to the session's inbox and returns.
+* ``sync_batch`` (keys ``monarch-fetch-...``, ``monarch-status-...``, ``monarch-exit-...``): hands its batch over (which ends with ``RequestStatus{seq}``),
   secedes from the worker's thread pool so it never blocks other tasks, waits for ``Status{seq + 1}``, and
   returns the pickled outbox (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``, ...).
 """
@@ -20,19 +20,25 @@ from distributed import get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..protocol import FetchResult, SessionFailed, WorkerError
+from . import prometheus
+from .metrics import worker_snapshot
 from .tensor_worker import SessionParams, TensorWorker
 
-__all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "deliver_batch", "sync_batch"]
+__all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "METRICS_KEY", "deliver_batch", "sync_batch"]
 
 PLUGIN_NAME = "dask-monarch"
 #: worker stream-handler op that ends a session (sent through ``Scheduler.worker_send``)
 END_SESSION_OP = "monarch-end-session"
+#: the key of dask_monarch's numbers in ``worker.metrics`` (sent with every heartbeat; ``worker/metrics.py``)
+METRICS_KEY = "monarch"
 _CLOSED_MEMORY = 1024
 
 
 class MonarchWorkerPlugin(WorkerPlugin):
     """Installs the tensor-worker state machine in a Dask worker: one ``TensorWorker`` per controller session,
-    created on the session's first task. Idempotent: a second controller's registration keeps this instance."""
+    created on the session's first task. Idempotent: a second controller's registration keeps this instance.
+    Reports its sessions' numbers with every heartbeat (``worker.metrics["monarch"]``) and on the worker's
+    Prometheus ``/metrics`` endpoint."""
 
     name = PLUGIN_NAME
     idempotent = True
@@ -43,6 +49,12 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.closed: dict[str, str | None] = {}  # ended session -> its failure text, or None
         self._lock = threading.Lock()
         worker.stream_handlers[END_SESSION_OP] = self.end_session
+        worker.metrics[METRICS_KEY] = self.metrics
+        prometheus.register(self)
+
+    def metrics(self, worker) -> dict:
+        """The heartbeat metric (``worker_snapshot``)."""
+        return worker_snapshot(self)
 
     def end_session(self, session_id: str, reason: str) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
@@ -58,6 +70,9 @@ class MonarchWorkerPlugin(WorkerPlugin):
         threading.Thread(target=end, name=f"monarch-{session_id[:8]}-end", daemon=True).start()
 
     def teardown(self, worker) -> None:
+        if worker.metrics.get(METRICS_KEY) == self.metrics:
+            del worker.metrics[METRICS_KEY]
+        prometheus.unregister(self)
         for tw in list(self.sessions.values()):
             tw.fail("the Dask worker is shutting down")
             tw.close(join_timeout=1.0)

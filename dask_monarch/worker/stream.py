@@ -97,6 +97,9 @@ class StreamWorker:
         self.env: dict = {}
         self.pending: list = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        #: messages handed to the stream thread (counted per flush) and run by it (counted per batch); their
+        #: difference is the stream's backlog (``worker/metrics.py``)
+        self.enqueued = 0
         self.applied = 0
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
@@ -111,6 +114,7 @@ class StreamWorker:
 
     def flush(self) -> None:
         if self.pending:
+            self.enqueued += len(self.pending)
             self._queue.put(self.pending)
             self.pending = []
 
@@ -120,6 +124,7 @@ class StreamWorker:
         self._queue.put(_STOP)
 
     def backlog(self) -> int:
+        """Batches queued for the stream thread, not yet taken."""
         return self._queue.qsize()
 
     # ------------------------------------------------------------------------------------------- stream thread
@@ -154,6 +159,7 @@ class StreamWorker:
         """Record a root failure of ``seq`` and report ``RemoteFunctionFailed`` once (spec §3)."""
         err = SeqError(seq, WorkerError(text or traceback.format_exc(), self.tw.actor_id))
         self.tw.report(RemoteFunctionFailed(seq, err.error))
+        self.tw.note_error(seq, err.error.backtrace)
         return err
 
     def _lookup(self, ref_id: int, meshes: bool):

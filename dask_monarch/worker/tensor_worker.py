@@ -5,7 +5,7 @@ Batches arrive through the ``Inbox`` in the controller's order. One dispatcher t
 each message with the handler named after it (``CallFunction`` -> ``call_function``, ...). Handlers that belong to
 a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. Answers for the
 controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox, which the
-``monarch-sync`` tasks drain.
+``sync_batch`` tasks drain.
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ class TensorWorker:
         self.inbox = Inbox()
         self.outbox: collections.deque = collections.deque()
         self.failure: str | None = None
+        #: the last root failure reported (``(seq, text)``) and how many there were, for the dashboard
+        self.last_error: tuple[int, str] | None = None
+        self.errors = 0
         self.closed = False
         self._closing = False
         self.completed_seq = 0
@@ -216,6 +219,11 @@ class TensorWorker:
                 out.append(pop())
             except IndexError:
                 return out
+
+    def note_error(self, seq: int, text: str) -> None:
+        """Remember a root failure (``RemoteFunctionFailed``) for the dashboard; called on error paths only."""
+        self.last_error = (seq, text)
+        self.errors += 1
 
     def emit_status(self, seq: int, controller: bool = False) -> None:
         self.report(Status(seq + 1, self.actor_id, controller))

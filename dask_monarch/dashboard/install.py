@@ -1,0 +1,80 @@
+"""Adding the ``/monarch`` page to a running scheduler's dashboard (spec/dask-notes.md §2, option 3: at runtime,
+from ``SchedulerPlugin.start``, the only way on a cluster that dask_monarch did not start).
+
+The page is a second Bokeh application next to the dashboard's own, built and started the way
+``distributed.dashboard.scheduler.connect`` builds the first: ``BokehApplication`` ->
+``http_application.add_application`` -> ``initialize`` -> ``start``. It serves ``/monarch`` and, under the name the
+dashboard gives its individual plots, ``/individual-monarch``, which is added to the dashboard's "More..." menu.
+These are internals of distributed: CI tests them (tests/test_dashboard.py, tests/test_dashboard_browser.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+__all__ = ["PAGE_PATHS", "install_page", "uninstall_page"]
+
+logger = logging.getLogger("dask_monarch.dashboard")
+
+PAGE_PATHS = ("/monarch", "/individual-monarch")
+_MENU_ENTRY = {"url": "individual-monarch", "name": "Monarch"}
+_installed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # scheduler -> its page's Bokeh app
+
+
+def _dashboard_app(scheduler):
+    """The dashboard's own Bokeh application, or None (no dashboard, or no Bokeh)."""
+    try:
+        from bokeh.server.tornado import BokehTornado
+    except ImportError:
+        return None
+    http_application = getattr(scheduler, "http_application", None)
+    for app in getattr(http_application, "applications", ()):
+        if isinstance(app, BokehTornado):
+            return app
+    return None
+
+
+def install_page(scheduler) -> bool:
+    """Serve the page on ``scheduler``'s dashboard, once per scheduler. Returns True if the page is served (now or
+    already), False if the scheduler has no Bokeh dashboard. Call it on the scheduler's event loop."""
+    if scheduler in _installed:
+        return True
+    dashboard = _dashboard_app(scheduler)
+    if dashboard is None:
+        return False
+    from distributed.dashboard.core import BokehApplication
+    from distributed.dashboard.scheduler import template_variables
+    from tornado.ioloop import IOLoop
+
+    from .page import monarch_doc
+
+    variables = template_variables(scheduler)  # memoized per scheduler: the dict every page's menu is built from
+    plots = variables.setdefault("plots", [])
+    if not any(p.get("url") == _MENU_ENTRY["url"] for p in plots):
+        plots.append(dict(_MENU_ENTRY))
+        plots.sort(key=lambda p: p["name"])
+    app = BokehApplication(
+        {path: monarch_doc for path in PAGE_PATHS}, scheduler, prefix=dashboard.prefix,
+        template_variables=variables,
+    )
+    scheduler.http_application.add_application(app)
+    app.initialize(IOLoop.current())
+    app.start()
+    _installed[scheduler] = app
+    logger.info("dask_monarch: dashboard page at %s", ", ".join(PAGE_PATHS))
+    return True
+
+
+def uninstall_page(scheduler) -> None:
+    """Stop the page's Bokeh application (when the scheduler closes)."""
+    app = _installed.pop(scheduler, None)
+    if app is None:
+        return
+    try:
+        app.stop()
+    except Exception:
+        pass
+    applications = getattr(getattr(scheduler, "http_application", None), "applications", None)
+    if applications is not None and app in applications:
+        applications.remove(app)

@@ -1,0 +1,253 @@
+"""Dashboard monitoring: the ``/monarch`` page's data source and Bokeh models, the task keys the Task Stream and
+Progress panels group by, the workers' heartbeat metrics and Prometheus metrics, and the page on a live scheduler.
+(The page in a real browser: tests/test_dashboard_browser.py.)
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import distributed
+import pytest
+import torch
+from distributed.utils import key_split
+
+import dask_monarch as dm
+from dask_monarch import RemoteException
+from dask_monarch.controller.task_keys import KINDS, parse_task_key, session_tag, task_key
+from dask_monarch.dashboard.data import NO_SESSION, RANK_COLUMNS, DashboardData, format_bytes, mesh_coords
+from dask_monarch.dashboard.page import MonarchPage
+from dask_monarch.worker.metrics import summary
+
+S1 = "0123abcd" + "0" * 24
+S2 = "fedc9876" + "1" * 24
+
+
+def snap(rank, received=10, applied=8, queued=2, *, world=4, error=None, failure=None, device="cpu", nbytes=2048):
+    return {
+        "rank": rank, "world_size": world, "device": device, "received": received, "applied": applied,
+        "queued": queued, "inbox_batches": 1, "streams": {"0": {"applied": applied, "queued": queued, "batches": 1,
+                                                                "refs": 3}, "1": {"applied": 0, "queued": 0,
+                                                                                  "batches": 0, "refs": 0}},
+        "refs": 3, "bytes": nbytes, "status_seq": 5, "errors": 1 if error else 0, "last_error": error,
+        "failure": failure,
+    }
+
+
+def session(dims, workers, started=1000.0, client="Client-abc"):
+    return {"client": client, "dims": dims, "workers": workers, "started": started}
+
+
+# ------------------------------------------------------------------------------------------------- task keys
+def test_task_keys_group_per_session_and_kind_under_key_split():
+    prefixes = {(kind, s): key_split(task_key(kind, s, rank, batch))
+                for kind in KINDS for s in (S1, S2) for rank in (0, 3) for batch in (0, 17)}
+    # every rank and batch of one (kind, session) falls in one group, named after both
+    assert len(set(prefixes.values())) == len(KINDS) * 2
+    for (kind, s), prefix in prefixes.items():
+        assert prefix == f"monarch-{kind}-{session_tag(s)}"
+    assert session_tag(S1).isalpha() and session_tag(S2).isalpha()
+    assert parse_task_key(task_key("fetch", S2, 3, 17)) == ("fetch", S2[:8], 3, 17)
+    assert parse_task_key("monarch-batch-0123abcd-0-1") is None
+    with pytest.raises(ValueError, match="task kind"):
+        task_key("sync", S1, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ data source
+def test_data_without_session_says_so():
+    view = DashboardData().update({}, {"tcp://w0": {"time": 1.0, "sessions": {}, "closed": {}}}, now=10.0)
+    assert view["running"] is False
+    assert view["summary"] == NO_SESSION
+    assert all(len(v) == 0 for v in view["ranks"].values())
+    assert all(len(v) == 0 for v in view["sessions"].values())
+
+
+def test_data_rows_per_session_and_rank():
+    workers = [f"tcp://w{i}" for i in range(4)]
+    error = {"seq": 7, "text": "ValueError: boom"}
+    metrics = {w: {"time": 5.0, "sessions": {S1: snap(r, error=error if r == 2 else None)}, "closed": {}}
+               for r, w in enumerate(workers)}
+    view = DashboardData().update({S1: session({"host": 2, "gpu": 2}, workers)}, metrics, now=1065.0)
+    assert view["running"] is True
+    assert view["summary"] == "1 session, 4 ranks"
+    s = view["sessions"]
+    assert s["session"] == [session_tag(S1)] and s["id"] == [S1] and s["controller"] == ["Client-abc"]
+    assert s["mesh"] == ["host=2 × gpu=2"] and s["shape"] == ["(2, 2)"] and s["ranks"] == [4]
+    assert s["age"] == ["1m 05s"] and s["state"] == ["running"]
+    r = view["ranks"]
+    assert set(r) == set(RANK_COLUMNS)
+    assert r["rank"] == [0, 1, 2, 3]
+    assert r["worker"] == workers
+    assert r["coords"] == ["host=0, gpu=0", "host=0, gpu=1", "host=1, gpu=0", "host=1, gpu=1"]
+    assert r["device"] == ["cpu"] * 4
+    assert r["received"] == [10] * 4 and r["applied"] == [8] * 4 and r["queued"] == [2] * 4
+    assert r["inbox"] == [1] * 4 and r["refs"] == [3] * 4 and r["bytes"] == [2048] * 4
+    assert r["streams"] == ["s0: 2, s1: 0"] * 4
+    assert r["bytes_text"] == ["2.0 KiB"] * 4
+    assert r["last_error"] == ["", "", "seq 7: ValueError: boom", ""]
+    assert r["state"] == ["running"] * 4
+
+
+def test_data_rate_per_rank_from_successive_heartbeats():
+    data = DashboardData()
+    workers = ["tcp://w0", "tcp://w1"]
+    sessions = {S1: session({"dp": 2}, workers)}
+
+    def metrics(t, received):
+        return {w: {"time": t, "sessions": {S1: snap(r, received=received * (r + 1), world=2)}, "closed": {}}
+                for r, w in enumerate(workers)}
+
+    first = data.update(sessions, metrics(100.0, 50), now=1.0)
+    assert first["ranks"]["rate"] == [0.0, 0.0]
+    assert first["rates"]["ys"] == [[], []]  # one heartbeat: no rate yet
+    second = data.update(sessions, metrics(100.5, 150), now=1.5)  # +100 and +200 messages in 0.5 s
+    assert second["ranks"]["rate"] == [200.0, 400.0]
+    assert second["rates"]["ys"] == [[200.0], [400.0]]
+    assert second["rates"]["label"] == [f"{session_tag(S1)} rank 0", f"{session_tag(S1)} rank 1"]
+    assert second["rates"]["xs"] == [[1500.0], [1500.0]]
+    repeated = data.update(sessions, metrics(100.5, 150), now=2.0)  # the same heartbeat again: no new point
+    assert repeated["rates"]["ys"] == [[200.0], [400.0]]
+    assert repeated["ranks"]["rate"] == [200.0, 400.0]
+    gone = data.update({}, {}, now=3.0)  # the session ended: its history goes
+    assert gone["rates"]["ys"] == [] and data.current_rate == {}
+
+
+def test_data_failed_rank_gone_worker_and_second_session():
+    w = ["tcp://w0", "tcp://w1", "tcp://w2"]
+    metrics = {
+        w[0]: {"time": 1.0, "sessions": {S2: snap(0, world=1)}, "closed": {S1: "stream 0: KeyError: 'x'"}},
+        w[1]: {"time": 1.0, "sessions": {S1: snap(1, world=2, failure="malformed message: bad")}, "closed": {}},
+    }
+    sessions = {S1: session({"dp": 3}, w, started=10.0), S2: session({"workers": 1}, [w[0]], started=20.0)}
+    view = DashboardData().update(sessions, metrics, now=30.0)
+    r = view["ranks"]
+    assert r["session"] == [session_tag(S1)] * 3 + [session_tag(S2)]
+    assert r["state"] == ["failed", "failed", "worker gone", "running"]
+    assert r["last_error"][:3] == ["session failed: stream 0: KeyError: 'x'", "session failed: malformed message: bad",
+                                   "the worker tcp://w2 left the cluster"]
+    assert view["sessions"]["state"] == ["failed on rank 0, 1, 2", "running"]
+    assert view["summary"] == "2 sessions, 4 ranks, 1 failed"
+
+
+def test_formatting_helpers():
+    assert mesh_coords({"a": 2, "b": 3}, 5) == "a=1, b=2"
+    assert format_bytes(512) == "512 B" and format_bytes(3 * 1024**3) == "3.0 GiB"
+    assert summary("CallFunction seq 3: failed\nTraceback (most recent call last):\n  x\nValueError: boom") == \
+        "CallFunction seq 3: failed … ValueError: boom"
+    assert summary(None) is None and len(summary("x" * 1000)) == 300
+
+
+# ------------------------------------------------------------------------------------------------ Bokeh models
+def fake_scheduler(sessions: dict, metrics: dict):
+    plugin = SimpleNamespace(sessions=sessions)
+    workers = {a: SimpleNamespace(metrics={"monarch": m}) for a, m in metrics.items()}
+    return SimpleNamespace(plugins={"dask-monarch": plugin}, workers=workers)
+
+
+def test_page_models_show_no_session_then_rows():
+    scheduler = fake_scheduler({}, {})
+    page = MonarchPage(scheduler)
+    page.update()
+    assert page.summary.text == NO_SESSION and page.tables.visible is False
+    scheduler.plugins["dask-monarch"].sessions[S1] = session({"dp": 2}, ["tcp://w0", "tcp://w1"], started=time.time())
+    scheduler.workers["tcp://w0"] = SimpleNamespace(metrics={"monarch": {"time": 1.0, "sessions": {S1: snap(0)},
+                                                                         "closed": {}}})
+    page.update()
+    assert page.tables.visible is True
+    assert page.summary.text == "1 session, 2 ranks, 1 failed"  # rank 1's worker is not in the cluster
+    assert list(page.rank_source.data["worker"]) == ["tcp://w0", "tcp://w1"]
+    assert list(page.rank_source.data["state"]) == ["running", "worker gone"]
+    assert list(page.session_source.data["id"]) == [S1]
+    assert page.ranks.height > page.sessions.height  # tables grow with their rows
+
+
+def test_install_page_without_a_dashboard_does_nothing():
+    from dask_monarch.dashboard import install_page
+
+    assert install_page(SimpleNamespace(http_application=SimpleNamespace(applications=[]))) is False
+    assert install_page(SimpleNamespace()) is False
+
+
+# ----------------------------------------------------------------------------------------- on a live cluster
+def add_one(x):
+    return x + 1
+
+
+def fail(x):
+    raise ValueError("boom from the dashboard test")
+
+
+def fail_shape(x):
+    return torch.empty_like(x)
+
+
+def wait_until(condition, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_live_session_metrics_prometheus_task_keys_and_page(client2):
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid, tag = mesh.session_id, session_tag(mesh.session_id)
+    with mesh.activate():
+        x = dm.remote(torch.ones)(256)
+    for _ in range(50):
+        x = dm.remote(add_one)(x)
+    bad = dm.remote(fail, propagate=fail_shape)(x)
+    mesh._session.flush()  # a batch without a wait: a monarch-messages task
+    assert dm.inspect(x).tolist() == [51.0] * 256
+    with pytest.raises(RemoteException, match="boom from the dashboard test"):
+        dm.inspect(bad)
+
+    # a wait's Dask futures (one per rank), for Dask's own progress and wait tools
+    answer = dm.fetch_shard(x, dp=1)
+    distributed.wait(answer.futures, timeout=30)
+    assert sorted(parse_task_key(f.key)[::2] for f in answer.futures) == [("fetch", 0), ("fetch", 1)]
+    assert answer.result().tolist() == [51.0] * 256
+
+    # heartbeat metrics, as the scheduler (and so the page) sees them
+    def heartbeat():
+        seen = client2.run_on_scheduler(
+            lambda dask_scheduler: {a: (ws.metrics.get("monarch") or {}).get("sessions", {}).get(sid)
+                                    for a, ws in dask_scheduler.workers.items()})
+        ranks = {s["rank"]: s for s in seen.values() if s and s["received"] >= 53 and s["errors"] == 1}
+        return ranks if len(ranks) == 2 else None
+
+    ranks = wait_until(heartbeat, "both ranks' metrics in a heartbeat after the work")
+    for rank, s in ranks.items():
+        assert s["device"] == "cpu" and s["world_size"] == 2
+        assert s["applied"] >= 53 and s["queued"] == 0
+        assert s["refs"] >= 2 and s["bytes"] >= 256 * 4  # x (and the failed result's error entry)
+        assert s["last_error"]["seq"] > 0 and "boom from the dashboard test" in s["last_error"]["text"]
+
+    # Prometheus, on each worker's /metrics
+    for address, info in client2.scheduler_info()["workers"].items():
+        port = info["services"]["dashboard"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        rank = 0 if mesh.workers[0] == address else 1
+        labels = f'{{rank="{rank}",session="{sid}"}}'
+        assert "# TYPE dask_monarch_messages_received_total counter" in text
+        line = next(l for l in text.splitlines() if l.startswith(f"dask_monarch_messages_received_total{labels}"))
+        assert float(line.split()[-1]) >= 53
+        assert f"dask_monarch_remote_errors_total{labels} 1.0" in text
+        assert f'dask_monarch_stream_messages_queued{{rank="{rank}",session="{sid}",stream="0"}}' in text
+        assert "dask_monarch_memory_bytes{" in text and "dask_monarch_refs{" in text
+
+    # the page and its entry in the dashboard's "More..." menu
+    port = client2.scheduler_info()["services"]["dashboard"]
+    for path in ("/monarch", "/individual-monarch", "/status"):
+        html = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode()
+        assert 'href="individual-monarch"' in html, path
+    mesh.exit()
+
+    # the session's tasks, grouped by kind per session (Task Stream colors and Progress bars by these prefixes)
+    prefixes = set(client2.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
+    mine = {p for p in prefixes if tag in p}
+    assert mine == {f"monarch-messages-{tag}", f"monarch-fetch-{tag}", f"monarch-exit-{tag}"}, prefixes

@@ -1,0 +1,155 @@
+"""End to end: the ``/monarch`` dashboard page in a real headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven with Selenium), on a running cluster with an active session.
+
+The test reads what the browser shows: the rendered text of the page (Bokeh renders its tables inside shadow
+roots, so the text is collected through them) and the rows of the page's Bokeh document as synchronized to the
+browser. It saves a screenshot to ``build/screenshots/monarch-dashboard.png``. Skipped, with the reason, when
+Chromium, its driver or Selenium is missing (``.ci/run`` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch.dashboard.data import NO_SESSION
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOT = ROOT / "build" / "screenshots" / "monarch-dashboard.png"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists()
+                                                else None)
+WAIT = 60.0
+
+try:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+except ImportError:  # pragma: no cover - the test extra installs it
+    webdriver = None
+
+pytestmark = [
+    pytest.mark.skipif(webdriver is None, reason="selenium is not installed (pip install -e '.[test]')"),
+    pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                       reason="chromium and chromium-driver are not installed (apt-get install -y chromium "
+                              "chromium-driver; .ci/run does)"),
+]
+
+# All text on the page, including what Bokeh renders inside shadow roots (its tables and divs).
+PAGE_TEXT_JS = """
+function collect(node) {
+  let text = '';
+  if (node.shadowRoot) text += collect(node.shadowRoot);
+  for (const child of node.childNodes) {
+    if (child.nodeType === Node.TEXT_NODE) text += child.textContent + ' ';
+    else if (child.nodeType === Node.ELEMENT_NODE && !['STYLE', 'SCRIPT'].includes(child.tagName)) text += collect(child);
+  }
+  return text;
+}
+return collect(document.body);
+"""
+# The page's rank rows as the browser holds them (the Bokeh document synchronized over the websocket).
+RANK_ROWS_JS = """
+if (!window.Bokeh || !Bokeh.documents || !Bokeh.documents.length) return null;
+const source = Bokeh.documents[0].get_model_by_name('monarch-ranks-source');
+if (!source) return null;
+const rows = {};
+for (const column of ['rank', 'worker', 'received', 'applied', 'state']) rows[column] = Array.from(source.data[column] || []);
+return JSON.stringify(rows);
+"""
+
+
+def add_one(x):
+    return x + 1
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="monarch-chromium-")
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1600,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def wait_for(condition, what: str, driver, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            text = driver.execute_script(PAGE_TEXT_JS)
+            raise AssertionError(f"the page did not show {what} within {timeout:g} s; it shows:\n{text[:3000]}")
+        time.sleep(0.25)
+
+
+def rank_rows(driver) -> dict | None:
+    rows = driver.execute_script(RANK_ROWS_JS)
+    return json.loads(rows) if rows else None
+
+
+def page_text_with(driver, *needles: str) -> str | None:
+    """The page's text if it contains every one of ``needles``, else None."""
+    text = driver.execute_script(PAGE_TEXT_JS)
+    return text if all(n in text for n in needles) else None
+
+
+def test_monarch_page_shows_live_session_in_chromium(client2, browser):
+    port = client2.scheduler_info()["services"]["dashboard"]
+    url = f"http://127.0.0.1:{port}/monarch"
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    workers = [mesh.workers[r] for r in range(2)]
+    try:
+        with mesh.activate():
+            x = dm.remote(torch.zeros)(4)
+        dm.inspect(x)  # both ranks have run the session's first messages
+
+        browser.get(url)
+        # the rank rows appear, rendered in the table, with the workers' addresses and counters
+        text = wait_for(lambda: page_text_with(browser, *workers), "a row per rank with its worker address", browser)
+        assert mesh.session_id in text, "the sessions table does not show the session id"
+        assert "dp=2" in text, "the sessions table does not show the mesh's dims"
+        before = wait_for(lambda: (r := rank_rows(browser)) and len(r["rank"]) == 2 and min(r["received"]) > 0 and r,
+                          "received counters above 0 on both ranks", browser)
+        assert sorted(before["rank"]) == [0, 1]
+        assert sorted(before["worker"]) == sorted(workers)
+        assert set(before["state"]) == {"running"}
+
+        # more work: the counters the browser shows grow, on every rank
+        for _ in range(300):
+            x = dm.remote(add_one)(x)
+        assert dm.inspect(x).tolist() == [300.0] * 4
+        after = wait_for(
+            lambda: (r := rank_rows(browser)) and all(
+                a >= b + 300 for a, b in zip(r["received"], before["received"])) and r,
+            "received counters grown by the 300 more messages", browser,
+        )
+        # nothing more is sent: the table settles on the new counts and renders them
+        wait_for(lambda: page_text_with(browser, *(f"{n:,}" for n in after["received"])),
+                 f"the new received counts {after['received']} in the table", browser)
+
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        browser.set_window_size(1600, 1000)
+        assert browser.save_screenshot(str(SCREENSHOT)), "could not save the screenshot"
+        assert SCREENSHOT.stat().st_size > 10_000
+    finally:
+        mesh.exit()
+
+    # the session ended: the page says so instead of showing empty tables
+    wait_for(lambda: page_text_with(browser, NO_SESSION.split(".")[0]),
+             "that no session is running", browser)
