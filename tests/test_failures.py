@@ -42,6 +42,7 @@ def test_killed_worker_fails_the_session_and_the_rest_keeps_serving(fresh_client
     client = fresh_client2
     mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
     x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.inspect(x.reduce("dp", "sum")).item() == 3  # the communicator exists before the kill
     total = dm.remote(slow_add)(x).reduce("dp", "sum")
     future = dm.fetch_shard(total)
     victim = mesh.workers[1]
