@@ -1,6 +1,7 @@
 """Controller side of dask_monarch: session transport, meshes, remote functions, reductions, fetches."""
 
 from .attach import attach
+from .coalescing import coalescing
 from .fetch import fetch_shard, inspect
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .reduce import reduce, reduce_
@@ -14,6 +15,7 @@ __all__ = [
     "Session",
     "Tensor",
     "attach",
+    "coalescing",
     "fetch_shard",
     "get_active_mesh",
     "inspect",

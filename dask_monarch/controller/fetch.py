@@ -34,17 +34,17 @@ def _rank_of(mesh: DeviceMesh, coords: dict) -> int:
     if unknown:
         raise KeyError(f"{unknown} are not dimensions of the mesh; its dimensions are {list(mesh.names)}")
     if not coords:
-        return mesh.ranks.get(0)
+        return mesh.processes.get(0)
     missing = [d for d in mesh.names if d not in coords]
     if missing:
         raise ValueError(f"fetch_shard: give a coordinate for every dimension of the mesh; missing {missing}")
     index = []
-    for name, size in zip(mesh.names, mesh.ranks.sizes):
+    for name, size in zip(mesh.names, mesh.processes.sizes):
         c = coords[name]
         if not isinstance(c, int) or not 0 <= c < size:
             raise IndexError(f"fetch_shard: coordinate {name}={c!r} out of range for size {size}")
         index.append(c)
-    return mesh.ranks.location(index)
+    return mesh.processes.location(index)
 
 
 def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:

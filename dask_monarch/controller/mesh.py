@@ -43,8 +43,8 @@ no_mesh = _NoMesh()
 class DeviceMesh:
     """Mesh ``names`` over global ranks ``ranks`` (a ``Slice``) of ``session``.
 
-    ``names`` are the dimension names in order; ``sizes`` maps each to its size; ``ranks`` is the ``Slice`` of
-    global ranks (Monarch's ``processes``). Use as a context manager, or call ``exit()`` when done.
+    ``names`` are the dimension names in order; ``sizes`` maps each to its size; ``processes`` is the ``Slice``
+    of global ranks. Use as a context manager, or call ``exit()`` when done.
     """
 
     def __init__(self, session, names, ranks: Slice, *, owner: bool = False):
@@ -54,7 +54,7 @@ class DeviceMesh:
             raise ValueError(f"DeviceMesh: duplicate dimension names {list(names)}")
         self._session = session
         self.names = tuple(names)
-        self.ranks = ranks
+        self.processes = ranks
         self._rank_list = tuple(ranks)
         self._owner = owner
         self._ref: Ref | None = None
@@ -62,7 +62,7 @@ class DeviceMesh:
     # ------------------------------------------------------------------------------------------------ shape
     @property
     def sizes(self) -> dict:
-        return dict(zip(self.names, self.ranks.sizes))
+        return dict(zip(self.names, self.processes.sizes))
 
     def size(self, dims=None) -> int:
         """Number of ranks along ``dims`` (a name or a sequence of names; all dims if None)."""
@@ -89,9 +89,9 @@ class DeviceMesh:
     def slice(self, **selection) -> "DeviceMesh":
         """Sub-mesh: ``dim=int`` removes the dim at that coordinate; ``dim=slice(...)`` keeps a range (step 1 or
         more). Raises ``KeyError`` for an unknown dim, ``IndexError`` for an out-of-range coordinate."""
-        offset = self.ranks.offset
+        offset = self.processes.offset
         names, sizes, strides = [], [], []
-        for name, size, stride in zip(self.names, self.ranks.sizes, self.ranks.strides):
+        for name, size, stride in zip(self.names, self.processes.sizes, self.processes.strides):
             if name not in selection:
                 names.append(name)
                 sizes.append(size)
@@ -117,6 +117,69 @@ class DeviceMesh:
             raise KeyError(f"{sorted(selection)} not dimensions of this mesh; its dimensions are {list(self.names)}")
         return DeviceMesh(self._session, names, Slice(offset, sizes, strides))
 
+    def split(self, **splits) -> "DeviceMesh":
+        """Split dimensions: ``split(host=("dp", "pp"), pp=4)`` replaces ``host`` by ``dp`` x ``pp`` (row-major),
+        with the sizes given as keywords and at most one size inferred. Raises ``KeyError``/``ValueError``."""
+        sizes_given = {k: v for k, v in splits.items() if not isinstance(v, (tuple, list))}
+        targets = {k: tuple(v) for k, v in splits.items() if isinstance(v, (tuple, list))}
+        unknown = sorted(set(targets) - set(self.names))
+        if unknown:
+            raise KeyError(f"split: {unknown} are not dimensions of this mesh; its dimensions are {list(self.names)}")
+        names, sizes, strides = [], [], []
+        used = set()
+        for name, size, stride in zip(self.names, self.processes.sizes, self.processes.strides):
+            if name not in targets:
+                names.append(name)
+                sizes.append(size)
+                strides.append(stride)
+                continue
+            parts = targets[name]
+            known = [sizes_given[p] for p in parts if p in sizes_given]
+            missing = [p for p in parts if p not in sizes_given]
+            if len(missing) > 1:
+                raise ValueError(f"split: give the sizes of all but one of {parts}, e.g. {missing[-1]}=...")
+            product = 1
+            for k in known:
+                product *= k
+            if product == 0 or size % product:
+                raise ValueError(f"split: {name} has size {size}, which {dict((p, sizes_given[p]) for p in parts if p in sizes_given)} do not divide")
+            part_sizes = [sizes_given.get(p, size // product) for p in parts]
+            if _product(part_sizes) != size:
+                raise ValueError(f"split: sizes {dict(zip(parts, part_sizes))} do not multiply to {name}'s size {size}")
+            step = stride
+            part_strides = []
+            for part_size in reversed(part_sizes):
+                part_strides.append(step)
+                step *= part_size
+            names.extend(parts)
+            sizes.extend(part_sizes)
+            strides.extend(reversed(part_strides))
+            used.update(parts)
+        extra = sorted(set(sizes_given) - used)
+        if extra:
+            raise ValueError(f"split: sizes given for {extra}, which no split produces")
+        return DeviceMesh(self._session, names, Slice(self.processes.offset, sizes, strides))
+
+    def rename(self, **renames) -> "DeviceMesh":
+        """The same mesh with dimensions renamed: ``rename(host="dp")``. Raises ``KeyError``/``ValueError``."""
+        unknown = sorted(set(renames) - set(self.names))
+        if unknown:
+            raise KeyError(f"rename: {unknown} are not dimensions of this mesh; its dimensions are {list(self.names)}")
+        return DeviceMesh(self._session, [renames.get(n, n) for n in self.names], self.processes)
+
+    def flatten(self, name: str) -> "DeviceMesh":
+        """All dimensions as one named ``name``, row-major. ``ValueError`` "cannot flatten sparse mesh" unless the
+        ranks are dense (a contiguous row-major block)."""
+        dense = Slice.new_row_major(self.processes.sizes, self.processes.offset)
+        if dense.strides != self.processes.strides:
+            raise ValueError(f"cannot flatten sparse mesh {self!r}")
+        return DeviceMesh(self._session, [name], Slice(self.processes.offset, [len(self._rank_list)], [1]))
+
+    @property
+    def ranks(self) -> dict:
+        """``{dim: mesh.rank(dim)}``: each rank's coordinate along every dimension, as remote 0-d int64 tensors."""
+        return {name: self.rank(name) for name in self.names}
+
     def rank(self, dims) -> "Tensor":  # noqa: F821
         """This rank's coordinate along ``dims`` (a name, or names combined row-major) as a remote 0-d int64
         tensor (spec §1 ``rank``)."""
@@ -129,10 +192,14 @@ class DeviceMesh:
     # ---------------------------------------------------------------------------------------------- activation
     @contextlib.contextmanager
     def activate(self):
-        """Make this the mesh that remote calls without remote-tensor arguments run on."""
+        """Run every torch operation on this mesh inside the block, factories included (spec §1 "Dispatch"), and
+        make it the mesh of remote calls without remote-tensor arguments. ``no_mesh.activate()`` undoes it."""
+        from .dispatch import MeshDispatchMode
+
         token = _active.set(self)
         try:
-            yield self
+            with MeshDispatchMode():
+                yield self
         finally:
             _active.reset(token)
 
@@ -143,7 +210,7 @@ class DeviceMesh:
             with session.lock:
                 if self._ref is None:
                     ref = session.new_ref()
-                    session.send(CreateDeviceMesh(ref, list(self.names), self.ranks), self._rank_list)
+                    session.send(CreateDeviceMesh(ref, list(self.names), self.processes), self._rank_list)
                     self._ref = ref
         return self._ref
 
@@ -182,6 +249,13 @@ class DeviceMesh:
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
         return f"DeviceMesh({dims}; ranks={list(self._rank_list)}; session={self._session.id[:8]})"
+
+
+def _product(values) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
 
 
 def _rank_fake(mesh, names):

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
 from ..protocol.function import resolve_path
+from .dispatch import propagating
 from .mesh import DeviceMesh, get_active_mesh
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
@@ -104,7 +105,7 @@ class Remote:
             self._function = function_of(self._fn)
         return self._function
 
-    def _shapes(self, args, kwargs):
+    def _shapes(self, *args, **kwargs):
         if self._propagate == "inspect":
             return None
         if callable(self._propagate):
@@ -114,57 +115,83 @@ class Remote:
         return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
-        mesh = _mesh_of(leaves)
-        session = mesh._session
-        inputs = [x for x in leaves if isinstance(x, Tensor)]
-        for x in leaves:
-            if isinstance(x, DeviceMesh):
-                x.define_remotely()
-        fake_leaves = [x._fake if isinstance(x, Tensor) else x for x in leaves]
-        fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
-        versions = [t._fake._version for t in inputs]
-        with session.lock:
-            session.check_ok()
-            try:
-                with session.fake_mode:
-                    out = self._shapes(fake_args, fake_kwargs)
-            except Exception as e:
-                raise _with_hint(
-                    e,
-                    f"computing the output shapes of {self.__name__} on fake tensors failed ({e}); pass "
-                    "propagate= to remote() with a function that returns outputs of the right shapes",
-                ) from e
-            mutated = [t for t, v in zip(inputs, versions) if t._fake._version != v]
-            mutates = session.aliases_of(mutated)
-            out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
-            results, values = [], []
-            for leaf in out_leaves:
-                if isinstance(leaf, FakeTensor):
-                    t = Tensor(session.new_ref(), leaf, mesh, DEFAULT_STREAM)
-                    results.append(t.ref)
-                    values.append(t)
-                elif isinstance(leaf, torch.Tensor):
-                    raise TypeError(f"propagate for {self.__name__} returned a real tensor; it must return fakes")
-                else:
-                    results.append(None)
-                    values.append(leaf)
-            seq = session.new_seq()
-            message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
-                seq, results, tuple(t.ref for t in mutates), self.function, ArgsKwargs(tuple(args), dict(kwargs)),
-                DEFAULT_STREAM, (),
-            )
-            session.record(
-                seq,
-                defs=[r.id for r in results if r is not None] + [t.ref.id for t in mutates],
-                uses=[t.ref.id for t in inputs],
-                what=self.__name__,
-            )
-            session.send(message, mesh._rank_list)
-        return tree_unflatten(values, out_spec)
+        return call_on_mesh(self.function, self.__name__, self._shapes, args, kwargs)
 
     def __repr__(self) -> str:
         return f"remote({self._fn!r})"
+
+
+def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
+    """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
+    every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
+
+    ``shapes(*fake_args, **fake_kwargs)`` runs on the controller's fake tensors to learn output shapes, strides,
+    aliasing and mutation: an input whose fake version changes is mutated (all live aliases of its storage go into
+    ``mutates``); an output that *is* an input's fake (an in-place op) is that input ``Tensor`` itself, not a new
+    ref. The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    mesh = _mesh_of(leaves, mesh)
+    session = mesh._session
+    inputs = []
+    fake_leaves = []
+    for x in leaves:
+        if isinstance(x, Tensor):
+            x.check_usable()
+            inputs.append(x)
+            fake_leaves.append(x._fake)
+        elif isinstance(x, torch.Tensor):
+            fake_leaves.append(session.fake_mode.from_tensor(x))  # a local value (checked by _mesh_of), sent by value
+        else:
+            if isinstance(x, DeviceMesh):
+                x.define_remotely()
+            fake_leaves.append(x)
+    fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
+    versions = [t._fake._version for t in inputs]
+    with session.lock:
+        session.check_ok()
+        try:
+            with session.fake_mode, propagating():
+                out = shapes(*fake_args, **fake_kwargs)
+        except Exception as e:
+            raise _with_hint(
+                e,
+                f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
+                "with a function that returns outputs of the right shapes",
+            ) from e
+        mutated = [t for t, v in zip(inputs, versions) if t._fake._version != v]
+        mutates = session.aliases_of(mutated)
+        by_fake = {id(t._fake): t for t in inputs}
+        out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
+        results, values, new = [], [], []
+        for leaf in out_leaves:
+            same = by_fake.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if same is not None:  # the op returned its input (in place): no new ref
+                results.append(None)
+                values.append(same)
+            elif isinstance(leaf, FakeTensor):
+                t = Tensor(session.new_ref(), leaf, mesh, DEFAULT_STREAM)
+                results.append(t.ref)
+                values.append(t)
+                new.append(t)
+            elif isinstance(leaf, torch.Tensor):
+                raise TypeError(f"propagate for {name} returned a real tensor; it must return fake tensors")
+            else:
+                results.append(None)
+                values.append(leaf)
+        seq = session.new_seq()
+        message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
+            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)),
+            DEFAULT_STREAM, (),
+        )
+        session.record(
+            seq,
+            defs=[t.ref.id for t in new] + [t.ref.id for t in mutates],
+            uses=[t.ref.id for t in inputs],
+            what=name,
+        )
+        session.send(message, mesh._rank_list)
+    return tree_unflatten(values, out_spec)
 
 
 def _with_hint(error: Exception, text: str) -> Exception:
@@ -174,23 +201,28 @@ def _with_hint(error: Exception, text: str) -> Exception:
         return RuntimeError(text)
 
 
-def _mesh_of(leaves) -> DeviceMesh:
+def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
+    """The mesh a call runs on, with spec §1's client checks: ``TypeError`` WRONG_MESH for remote tensors of two
+    meshes, LOCAL_TENSOR for a local tensor (other than a 0-d scalar) mixed with remote ones."""
     mesh = None
+    local = None
     for x in leaves:
         if isinstance(x, Tensor):
             if mesh is None:
                 mesh = x.mesh
-            elif x.mesh is not mesh and x.mesh._rank_list != mesh._rank_list:
+            elif x.mesh is not mesh and (x.mesh._rank_list != mesh._rank_list or x.mesh._session is not mesh._session):
                 raise TypeError(
                     f"WRONG_MESH: tensors of different meshes in one call: {mesh!r} and {x.mesh!r}"
                 )
-        elif isinstance(x, torch.Tensor):
-            raise TypeError(
-                "LOCAL_TENSOR: a local torch.Tensor was passed to a remote function; create it on the mesh "
-                f"(inside a remote function) instead (shape {tuple(x.shape)}, dtype {x.dtype})"
-            )
+        elif isinstance(x, torch.Tensor) and x.dim() > 0 and local is None:
+            local = x
+    if local is not None and mesh is not None:
+        raise TypeError(
+            "LOCAL_TENSOR: a local torch.Tensor is mixed with remote tensors (shape "
+            f"{tuple(local.shape)}, dtype {local.dtype}); create it on the mesh (under mesh.activate()) instead"
+        )
     if mesh is None:
-        mesh = get_active_mesh()
+        mesh = default or get_active_mesh()
     if mesh is None:
         for x in leaves:
             if isinstance(x, DeviceMesh):

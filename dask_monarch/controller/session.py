@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..exceptions import RemoteException, SessionError
 from ..protocol import (
     BackendNetworkInit,
+    CommandGroup,
     CreateStream,
     DeleteRefs,
     Exit,
@@ -43,6 +44,7 @@ from ..protocol import (
 )
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
+from .coalescing import held_messages
 from .history import History
 from .task_keys import parse_task_key, task_key
 
@@ -240,8 +242,14 @@ class Session:
             raise SessionError(f"session {self.id} is closed (mesh.exit() was called)")
 
     def send(self, message, ranks=None) -> None:
-        """Queue ``message`` for ``ranks`` (an iterable of ranks; default every rank of the session)."""
+        """Queue ``message`` for ``ranks`` (an iterable of ranks; default every rank of the session). Inside
+        ``coalescing()`` the message is held for the block's ``CommandGroup``."""
         targets = self._all if ranks is None else tuple(ranks)
+        held = held_messages()
+        if held is not None:
+            self.check_ok()
+            held.setdefault(self, []).append((targets, message))
+            return
         with self.lock:
             self.check_ok()
             was_empty = not self._buffer
@@ -250,6 +258,20 @@ class Session:
                 self._flush_locked(None)
             elif was_empty:
                 self._wake.set()
+
+    def send_group(self, items) -> None:
+        """Send held ``(targets, message)`` items as one ``CommandGroup`` per rank, in order; ranks with the same
+        messages share one group (``coalescing``)."""
+        per_rank: dict[int, list] = {}
+        for targets, message in items:
+            for rank in targets:
+                per_rank.setdefault(rank, []).append(message)
+        groups: dict[tuple, list] = {}
+        for rank, messages in per_rank.items():
+            groups.setdefault(tuple(map(id, messages)), [messages, []])[1].append(rank)
+        with self.lock:
+            for messages, ranks in groups.values():
+                self.send(CommandGroup(messages), ranks)
 
     def drop_ref(self, ref_id: int, ranks=None) -> None:
         """A controller-side handle died: free ``ref_id`` on ``ranks`` with the next flush (``DeleteRefs``).
@@ -348,6 +370,11 @@ class Session:
         """Flush, then ``RequestStatus`` on every rank. The returned future resolves once every rank has answered
         ``Status`` past it; ``on_done()`` (under the session lock) computes its value or raises. ``kind`` names
         the tasks on the dashboard (``"status"`` or ``"fetch"``; ``"exit"`` with ``exit_after``)."""
+        if held_messages() is not None:
+            raise RuntimeError(
+                f"{describe}: cannot wait for an answer inside dask_monarch.coalescing(); the block's messages are "
+                "only sent at its end. Fetch after the block."
+            )
         with self.lock:
             self.check_ok()
             seq = self.new_seq()

@@ -1,11 +1,16 @@
 """``Tensor``: the controller's handle to a tensor that lives on every rank of a mesh (Monarch's ``Tensor``).
 
-It knows its ``Ref``, its mesh and stream, and a fake tensor (``torch._subclasses.FakeTensor``) with the shape,
-dtype and strides every rank's tensor has. It pickles as its ``Ref``, so passing it to a remote function sends
-the reference, and when the handle is garbage-collected the ref is freed on the workers (``DeleteRefs``).
+It is a ``torch.Tensor`` subclass (a wrapper without storage) that knows its ``Ref``, its mesh and stream, and a
+fake tensor (``torch._subclasses.FakeTensor``) with the shape, dtype, strides and aliasing every rank's tensor
+has. Every torch operation on it runs on its mesh (``__torch_dispatch__``; spec §1 "Dispatch"), autograd included,
+which runs on the controller and sends each backward op to the mesh. It pickles as its ``Ref``, so passing it to a
+remote function sends the reference, and when the handle is garbage-collected the ref is freed on the workers
+(``DeleteRefs``). ``drop()`` frees it at once; a dropped tensor cannot be used again (``DROPPED``).
 """
 
 from __future__ import annotations
+
+import traceback
 
 import torch
 
@@ -14,51 +19,42 @@ from ..protocol import Ref
 __all__ = ["Tensor"]
 
 
-class Tensor:
-    """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream``; ``shape``/``dtype``/``device`` come from the
-    controller's fake tensor ``_fake``. Fetch its value with ``dask_monarch.fetch_shard`` or ``inspect``."""
+class Tensor(torch.Tensor):
+    """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream``. ``shape``/``dtype``/``device``/``stride()``
+    come from the controller's fake tensor ``_fake``. Fetch its value with ``dask_monarch.fetch_shard`` or
+    ``inspect``; ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
 
-    __slots__ = ("ref", "mesh", "stream", "_fake", "__weakref__")
+    # ops reach __torch_dispatch__ directly; autograd still runs above it on the controller
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, ref: Ref, fake: torch.Tensor, mesh, stream):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            fake.size(),
+            strides=fake.stride(),
+            storage_offset=fake.storage_offset(),
+            device=fake.device,
+            dtype=fake.dtype,
+            layout=fake.layout,
+            requires_grad=fake.requires_grad,
+        )
+        t.ref = ref
+        t._fake = fake
+        t.mesh = mesh
+        t.stream = stream
+        t._dropped_at = None
+        mesh._session.track(t)
+        return t
 
     def __init__(self, ref: Ref, fake: torch.Tensor, mesh, stream):
-        self.ref = ref
-        self._fake = fake
-        self.mesh = mesh
-        self.stream = stream
-        mesh._session.track(self)
+        pass
 
-    # ---------------------------------------------------------------------------------------------- metadata
-    @property
-    def shape(self) -> torch.Size:
-        return self._fake.shape
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import run_op
 
-    def size(self, dim: int | None = None):
-        return self._fake.size() if dim is None else self._fake.size(dim)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._fake.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._fake.device
-
-    @property
-    def ndim(self) -> int:
-        return self._fake.ndim
-
-    def dim(self) -> int:
-        return self._fake.dim()
-
-    def numel(self) -> int:
-        return self._fake.numel()
-
-    def stride(self, dim: int | None = None):
-        return self._fake.stride() if dim is None else self._fake.stride(dim)
-
-    @property
-    def requires_grad(self) -> bool:
-        return self._fake.requires_grad
+        return run_op(func, args, kwargs or {})
 
     # ---------------------------------------------------------------------------------------------- reductions
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out: "Tensor | None" = None):
@@ -73,6 +69,25 @@ class Tensor:
 
         return reduce_one(self, dims, reduction, scatter, mesh, True, None)
 
+    # ------------------------------------------------------------------------------------------------ lifetime
+    @property
+    def dropped(self) -> bool:
+        return self._dropped_at is not None
+
+    def drop(self) -> None:
+        """Free this tensor and every alias of its storage on the workers now (Monarch's ``drop``). Using any of
+        them afterwards raises ``TypeError`` ("DROPPED") naming where it was dropped."""
+        where = "".join(traceback.format_stack(limit=8)[:-1])
+        for alias in self.mesh._session.aliases_of([self]):
+            if alias._dropped_at is None:
+                alias._dropped_at = where
+                alias.mesh._session.drop_ref(alias.ref.id, alias.mesh._rank_list)
+
+    def check_usable(self) -> None:
+        """``TypeError`` ("DROPPED", with where) if this tensor was dropped."""
+        if self._dropped_at is not None:
+            raise TypeError(f"DROPPED: tensor {self.ref!r} was dropped; it is dropped at:\n{self._dropped_at}")
+
     # ---------------------------------------------------------------------------------------------- plumbing
     def __monarch_ref__(self) -> int:
         return self.ref.id
@@ -82,19 +97,14 @@ class Tensor:
 
     def __del__(self):
         try:
-            mesh = self.mesh
-            mesh._session.drop_ref(self.ref.id, mesh._rank_list)
+            if self._dropped_at is None:
+                mesh = self.mesh
+                mesh._session.drop_ref(self.ref.id, mesh._rank_list)
         except Exception:
             pass
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:
         return (
             f"dask_monarch.Tensor({self.ref!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"device={self.device}, mesh={self.mesh.names})"
-        )
-
-    def __bool__(self):
-        raise TypeError(
-            "the value of a remote dask_monarch.Tensor is not known on the controller; "
-            "fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
+            f"device={self.device}, mesh={self.mesh.names}{', dropped' if self.dropped else ''})"
         )

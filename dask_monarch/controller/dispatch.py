@@ -1,0 +1,82 @@
+"""Torch operations on the mesh (spec §1 "Dispatch").
+
+* Every operation on a remote ``Tensor`` reaches ``Tensor.__torch_dispatch__`` and runs on its tensors' mesh.
+* Under ``mesh.activate()`` a ``TorchDispatchMode`` makes every other torch operation remote too, factories
+  included (``torch.randn``, ``torch.zeros``, ``torch.arange``, ``nn.Linear``'s parameters), except profiler
+  bookkeeping and ``aten._local_scalar_dense`` / ``aten.set_.source_Storage_storage_offset`` on local tensors.
+  ``no_mesh.activate()`` runs torch locally again.
+
+Each operation is one ``CallFunction`` of the op's ``torch.ops`` path, with output shapes, strides and aliasing
+from the op run on fake tensors on the controller (``remote.call_on_mesh``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..protocol import FunctionPath
+from .mesh import get_active_mesh
+
+__all__ = ["MeshDispatchMode", "run_op"]
+
+_aten = torch.ops.aten
+#: operations that stay local on local tensors even under an active mesh (spec §1)
+_LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset))
+_LOCAL_NAMESPACES = frozenset(("profiler",))
+_paths: dict = {}
+# set while the controller runs an op on fake tensors: the mode lets it through to the FakeTensorMode (an "infra"
+# mode, which torch orders below user modes such as MeshDispatchMode whatever the order they were entered in)
+_propagating: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_propagating", default=False)
+
+
+@contextlib.contextmanager
+def propagating():
+    """Inside, ``MeshDispatchMode`` runs operations locally (on the controller's fake tensors)."""
+    token = _propagating.set(True)
+    try:
+        yield
+    finally:
+        _propagating.reset(token)
+
+
+def op_path(func) -> FunctionPath:
+    """``FunctionPath("torch.ops.<namespace>.<op>.<overload>")`` of an ``OpOverload`` (cached)."""
+    path = _paths.get(func)
+    if path is None:
+        name = func._schema.name.split("::")[-1]
+        path = _paths[func] = FunctionPath(f"torch.ops.{func.namespace}.{name}.{func._overloadname}")
+    return path
+
+
+def run_op(func, args, kwargs, mesh=None):
+    """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh)."""
+    from .remote import call_on_mesh
+
+    if func is _aten._local_scalar_dense.default:
+        raise TypeError(
+            "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
+            "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
+        )
+    return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh)
+
+
+class MeshDispatchMode(TorchDispatchMode):
+    """Entered by ``mesh.activate()``: torch operations on local tensors and factories run on the active mesh."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mesh = get_active_mesh()
+        if mesh is None or _propagating.get() or func.namespace in _LOCAL_NAMESPACES or func in _LOCAL_OPS and not _has_remote(args):
+            return func(*args, **kwargs)
+        return run_op(func, args, kwargs, mesh)
+
+
+def _has_remote(args) -> bool:
+    from .tensor import Tensor
+
+    return any(isinstance(x, Tensor) for x in tree_flatten(args)[0])
