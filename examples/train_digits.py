@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import dask_monarch as dm
 
@@ -46,30 +47,26 @@ def shard_sizes(world: int) -> tuple[int, int]:
     return (N_SAMPLES - N_TEST) // world, math.ceil(N_TEST / world)
 
 
-# ------------------------------------------------------------------------- the model: runs on every worker
-HIDDEN = 128
 MOMENTUM = 0.9
-# All parameters live in one flat tensor: one remote tensor, one reduce and one update per step.
-SHAPES = [(N_FEATURES, HIDDEN), (HIDDEN,), (HIDDEN, N_CLASSES), (N_CLASSES,)]
-N_PARAMS = sum(math.prod(shape) for shape in SHAPES)
 
 
-def unflatten(flat: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ``flat`` as the weight and bias tensors of the MLP."""
-    views, start = [], 0
-    for shape in SHAPES:
-        views.append(flat[start:start + math.prod(shape)].view(shape))
-        start += math.prod(shape)
-    return views
+# ------------------------------------------------------------------------------------------- model and data
+class MLP(nn.Module):
+    """64 -> 128 -> 10 with a ReLU: plain PyTorch. Built under ``mesh.activate()``, its parameters live on the
+    mesh, one copy per rank."""
 
+    def __init__(self, hidden: int = 128):
+        super().__init__()
+        self.hidden = nn.Linear(N_FEATURES, hidden)
+        self.out = nn.Linear(hidden, N_CLASSES)
 
-def logits(params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    w1, b1, w2, b2 = unflatten(params)
-    return torch.relu(x @ w1 + b1) @ w2 + b2
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
 
 
 def load_shard(mesh, seed: int):
-    """Load this rank's shard of a fixed shuffled train/test split (the same split on every rank)."""
+    """Runs on each rank: load this rank's shard of a fixed shuffled train/test split (the same split on every
+    rank). Only this function touches the data, and only on the workers."""
     from sklearn.datasets import load_digits
 
     rank, world = mesh.dims["dp"].rank, mesh.dims["dp"].size
@@ -98,56 +95,12 @@ def load_shard_shapes(mesh, seed: int):
             torch.empty(n_test, N_FEATURES), torch.empty(n_test, dtype=torch.int64))
 
 
-def init_params(mesh, seed: int):
-    """The same initial parameters on every rank (same seed), and a zero momentum buffer. ``mesh`` only says
-    where this runs."""
-    g = torch.Generator().manual_seed(seed)
-    parts = []
-    for shape in SHAPES:
-        if len(shape) == 2:  # a weight matrix: He initialization
-            parts.append(torch.randn(shape, generator=g).flatten() * math.sqrt(2 / shape[0]))
-        else:  # a bias
-            parts.append(torch.zeros(shape))
-    params = torch.cat(parts)
-    return params, torch.zeros_like(params)
-
-
 def shuffle_(x: torch.Tensor, y: torch.Tensor, seed: int, epoch: int) -> None:
-    """Shuffle this rank's training shard in place, differently in each epoch. Every rank applies the same
-    permutation to its own (disjoint, randomly drawn) shard, so each global batch is still a random sample."""
+    """Runs on each rank: shuffle its training shard in place, differently in each epoch. Every rank applies the
+    same permutation to its own (disjoint, randomly drawn) shard, so each global batch is still a random sample."""
     perm = torch.from_numpy(np.random.default_rng([seed, epoch]).permutation(len(y)))
     x.copy_(x[perm])
     y.copy_(y[perm])
-
-
-def gradient(params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, start: int, stop: int):
-    """Gradient of the cross-entropy loss on rows ``start:stop`` of the shard, and that loss."""
-    p = params.detach().requires_grad_()
-    loss = F.cross_entropy(logits(p, x[start:stop]), y[start:stop])
-    (grad,) = torch.autograd.grad(loss, p)
-    return grad, loss.detach()
-
-
-def gradient_shapes(params, x, y, start, stop):
-    """``propagate`` for ``gradient``: its output shapes, without running autograd on the controller."""
-    return torch.empty_like(params), torch.empty(())
-
-
-def sgd_step_(params: torch.Tensor, velocity: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-    """SGD with momentum, in place: ``params`` and ``velocity`` are mutated."""
-    velocity.mul_(MOMENTUM).add_(grad)
-    params.sub_(velocity, alpha=lr)
-
-
-def mean(values: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(values).mean()
-
-
-def count_correct(params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``[correct, counted]`` on this rank's test shard (padding rows, label -1, are not counted)."""
-    counted = y >= 0
-    correct = (logits(params, x).argmax(dim=1) == y) & counted
-    return torch.stack([correct.sum(), counted.sum()])
 
 
 # ---------------------------------------------------------------------------------------------- controller
@@ -169,34 +122,44 @@ def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: 
           progress: bool | None = None) -> float:
     """Train on ``mesh`` and return the test accuracy. ``progress``: show a progress bar per epoch (None: on a
     terminal)."""
-    # Every call below runs on every rank of the mesh and returns remote tensors (handles) immediately.
-    x, y, x_test, y_test = dm.remote(load_shard, propagate=load_shard_shapes)(mesh, seed)
-    params, velocity = dm.remote(init_params)(mesh, seed)
-    compute_gradient = dm.remote(gradient, propagate=gradient_shapes)
-    update_ = dm.remote(sgd_step_)  # on fake tensors the controller sees params/velocity change: mutated
-    steps = x.shape[0] // batch_size
-    bar = progress_bar(epochs, progress)
+    with mesh.activate():  # from here on every torch operation runs on every rank of the mesh
+        dm.remote(torch.manual_seed, propagate="inspect")(seed)  # the same initial parameters on every rank
+        model = MLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+        x, y, x_test, y_test = dm.remote(load_shard, propagate=load_shard_shapes)(mesh, seed)
+        steps = x.shape[0] // batch_size
+        bar = progress_bar(epochs, progress)
 
-    for epoch in range(1, epochs + 1):
-        dm.remote(shuffle_)(x, y, seed, epoch)  # x and y are mutated
-        losses = []
-        for step in range(steps):
-            grad, loss = compute_gradient(params, x, y, step * batch_size, (step + 1) * batch_size)
-            dm.reduce_(grad, "dp", "avg")  # average the gradients of all ranks, in place
-            update_(params, velocity, grad, lr)
-            losses.append(loss)
-        counts = dm.remote(count_correct)(params, x_test, y_test).reduce("dp", "sum")
-        # The only wait of the epoch: rank 0's mean training loss and the test counts summed over ranks.
-        train_loss, (correct, total) = dm.fetch_shard((dm.remote(mean)(losses), counts), dp=0).result()
-        accuracy = correct.item() / total.item()
-        line = (f"epoch {epoch:3d}  train_loss {train_loss.item():.4f}  test_acc {accuracy:.4f}  "
-                f"elapsed {time.perf_counter() - start_time:6.1f} s")
-        if bar is None:
-            print(line, flush=True)
-        else:
-            bar.write(line, file=sys.stdout)  # above the bar, on stdout
-            bar.set_postfix(train_loss=f"{train_loss.item():.4f}", test_acc=f"{accuracy:.4f}", refresh=False)
-            bar.update(1)
+        for epoch in range(1, epochs + 1):
+            dm.remote(shuffle_)(x, y, seed, epoch)  # x and y are mutated in place
+            losses = []
+            for step in range(steps):
+                rows = slice(step * batch_size, (step + 1) * batch_size)
+                loss = F.cross_entropy(model(x[rows]), y[rows])
+                optimizer.zero_grad()
+                loss.backward()
+                # data parallel: average every gradient over the "dp" dimension, in place (the Reduce message)
+                dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
+                optimizer.step()
+                losses.append(loss.detach())
+            with torch.no_grad():
+                counted = y_test >= 0  # padding rows (label -1) do not count
+                correct = (model(x_test).argmax(dim=1) == y_test) & counted
+                counts = torch.stack([correct.sum(), counted.sum()]).reduce("dp", "sum")
+                train_loss = torch.stack(losses).mean()
+            # The only wait of the epoch: rank 0's mean training loss and the test counts summed over ranks.
+            train_loss, counts = dm.fetch_shard((train_loss, counts), dp=0).result()
+            with dm.no_mesh.activate():  # local tensors again: the fetched values
+                train_loss = train_loss.item()
+                accuracy = counts[0].item() / counts[1].item()
+            line = (f"epoch {epoch:3d}  train_loss {train_loss:.4f}  test_acc {accuracy:.4f}  "
+                    f"elapsed {time.perf_counter() - start_time:6.1f} s")
+            if bar is None:
+                print(line, flush=True)
+            else:
+                bar.write(line, file=sys.stdout)  # above the bar, on stdout
+                bar.set_postfix(train_loss=f"{train_loss:.4f}", test_acc=f"{accuracy:.4f}", refresh=False)
+                bar.update(1)
     if bar is not None:
         bar.close()
     return accuracy
