@@ -20,6 +20,7 @@ from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
 from ..protocol.function import resolve_path
 from .dispatch import propagating
 from .mesh import DeviceMesh, get_active_mesh
+from .propagation import Propagator
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
 
@@ -147,20 +148,19 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
                 x.define_remotely()
             fake_leaves.append(x)
     fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
-    versions = [t._fake._version for t in inputs]
+    key = Propagator.key(function, shapes, spec, leaves, Tensor, DeviceMesh)
     with session.lock:
         session.check_ok()
         try:
-            with session.fake_mode, propagating():
-                out = shapes(*fake_args, **fake_kwargs)
+            with propagating():
+                out, mutated = session.propagator.run(key, shapes, fake_args, fake_kwargs, [t._fake for t in inputs])
         except Exception as e:
             raise _with_hint(
                 e,
                 f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
                 "with a function that returns outputs of the right shapes",
             ) from e
-        mutated = [t for t, v in zip(inputs, versions) if t._fake._version != v]
-        mutates = session.aliases_of(mutated)
+        mutates = session.aliases_of([inputs[i] for i in mutated])
         by_fake = {id(t._fake): t for t in inputs}
         out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
         results, values, new = [], [], []

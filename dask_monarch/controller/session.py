@@ -46,6 +46,7 @@ from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
 from .coalescing import held_messages
 from .history import History
+from .propagation import Propagator
 from .task_keys import parse_task_key, task_key
 
 __all__ = ["Session", "MonarchFuture"]
@@ -175,6 +176,7 @@ class Session:
         self.answers: deque | None = deque() if record_answers else None
         self.functions: dict[int, str] = {}  # seq -> description of what it called, while incomplete
         self.fake_mode = FakeTensorMode()
+        self.propagator = Propagator(self.fake_mode)
         self._storages: dict[int, weakref.WeakSet] = {}
         self._network = False
         self._splits: set = set()
