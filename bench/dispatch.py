@@ -173,53 +173,112 @@ def bench_remote(mesh, n: int, repeats: int) -> dict:
     return {"rate": statistics.median(rates), "rates": rates, "call_us": statistics.median(loops) * 1e6}
 
 
+# ----------------------------------------------------------------------------- (d) torch ops under activate()
+def bench_dispatch(mesh, n: int, repeats: int) -> dict:
+    """``x + x`` under ``mesh.activate()``: the torch-dispatch path (aten op -> CallFunction), per op."""
+    with mesh.activate():
+        x = torch.ones(4, 4)
+        for _ in range(200):
+            x + x
+        dm.inspect(x + x)
+        rates, loops = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                x + x
+            t_loop = time.perf_counter()
+            mesh._session.sync("dispatch").result()
+            t1 = time.perf_counter()
+            rates.append(n / (t1 - t0))
+            loops.append((t_loop - t0) / n)
+    a = torch.ones(4, 4)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a + a
+    local = n / (time.perf_counter() - t0)
+    return {"rate": statistics.median(rates), "call_us": statistics.median(loops) * 1e6, "local": local}
+
+
+def chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Monarch's test_many: ``n`` dependent small ops."""
+    for i in range(n):
+        x = x * 1.0001 + 0.5 if i % 2 else torch.relu(x - 0.25)
+    return x
+
+
+def bench_program(mesh, n: int, repeats: int) -> dict:
+    """A program of ``n`` dependent torch ops under ``mesh.activate()``, end to end (through its fetch)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with mesh.activate():
+            result = chain(torch.ones(16, 16), n)
+        value = dm.inspect(result)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    expected = chain(torch.ones(16, 16), n)
+    local = time.perf_counter() - t0
+    assert torch.allclose(value, expected), "the mesh computed a different value"
+    return {"seconds": statistics.median(times), "local": local, "ops": n}
+
+
 # ------------------------------------------------------------------------------------- (c) digits train step
 def bench_train_step(mesh, steps: int, repeats: int) -> dict:
+    """One data-parallel step of the example's MLP (forward, backward, ``reduce_`` of the gradients, SGD) under
+    ``mesh.activate()``, against the same step in one local process on the global batch."""
     # run_path, not import: the functions get a module name the workers cannot import, so they travel by value
     # exactly as when the example runs as __main__
     ex = runpy.run_path(str(EXAMPLE), run_name="train_digits_bench")
     batch, lr, seed = 16, 0.1, 0  # the example's defaults
-    x, y, _, _ = dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed)
-    params, velocity = dm.remote(ex["init_params"])(mesh, seed)
-    gradient = dm.remote(ex["gradient"], propagate=ex["gradient_shapes"])
-    update_ = dm.remote(ex["sgd_step_"])
-    rows = x.shape[0]
+    F = torch.nn.functional
 
-    def run(count: int, offset: int = 0) -> None:
-        for i in range(offset, offset + count):
-            start = (i * batch) % (rows - batch)
-            grad, loss = gradient(params, x, y, start, start + batch)
-            dm.reduce_(grad, "dp", "avg")
-            update_(params, velocity, grad, lr)
+    def step(model, optimizer, x, y, rows, reduce: bool) -> None:
+        loss = F.cross_entropy(model(x[rows]), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        if reduce:
+            dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
+        optimizer.step()
 
-    run(20)
-    dm.inspect(params)
-    rates, loops = [], []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        run(steps, offset=r * steps)
-        t_loop = time.perf_counter()
-        mesh._session.sync("train steps").result()
-        t1 = time.perf_counter()
-        rates.append(steps / (t1 - t0))
-        loops.append((t_loop - t0) / steps)
+    with mesh.activate():
+        model = ex["MLP"]()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=ex["MOMENTUM"])
+        x, y, _, _ = dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed)
+        n_rows = x.shape[0]
 
-    # local: one process, the same functions on the same global batch (world x batch rows), no reduce needed
+        def run(count: int, offset: int = 0) -> None:
+            for i in range(offset, offset + count):
+                start = (i * batch) % (n_rows - batch)
+                step(model, optimizer, x, y, slice(start, start + batch), True)
+
+        run(20)
+        mesh._session.sync("warm-up").result()
+        rates, loops = [], []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            run(steps, offset=r * steps)
+            t_loop = time.perf_counter()
+            mesh._session.sync("train steps").result()
+            t1 = time.perf_counter()
+            rates.append(steps / (t1 - t0))
+            loops.append((t_loop - t0) / steps)
+
+    # local: one process, the same model and step on the same global batch (world x batch rows)
     from sklearn.datasets import load_digits
 
     world = mesh.size("dp")
     digits = load_digits()
     lx = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     ly = torch.tensor(digits.target, dtype=torch.int64)
-    lp, lv = ex["init_params"](None, seed)
+    model = ex["MLP"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=ex["MOMENTUM"])
     global_batch = world * batch
     local_rates = []
     for _ in range(3):
         t0 = time.perf_counter()
         for i in range(steps):
             start = (i * global_batch) % (len(ly) - global_batch)
-            grad, loss = ex["gradient"](lp, lx, ly, start, start + global_batch)
-            ex["sgd_step_"](lp, lv, grad, lr)
+            step(model, optimizer, lx, ly, slice(start, start + global_batch), False)
         local_rates.append(steps / (time.perf_counter() - t0))
     return {"rate": statistics.median(rates), "rates": rates, "loop_ms": statistics.median(loops) * 1e3,
             "local": max(local_rates), "world": world, "batch": batch}
@@ -376,7 +435,7 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="add a per-message breakdown (in-process worker)")
     parser.add_argument("--scheduler", default=None, help="address of an existing cluster (default: embedded)")
     args = parser.parse_args(argv)
-    n_raw, n_remote, n_steps, repeats = (20_000, 2_000, 50, 1) if args.quick else (200_000, 10_000, 300, 3)
+    n_raw, n_remote, n_steps, repeats = (20_000, 2_000, 30, 1) if args.quick else (200_000, 10_000, 100, 3)
 
     from distributed import Client
 
@@ -392,6 +451,8 @@ def main(argv=None) -> None:
         with dm.attach(client, dims={"w": 1}) as one:
             raw = bench_raw(one, n_raw, repeats)
             rem = bench_remote(one, n_remote, repeats)
+            disp = bench_dispatch(one, n_remote, repeats)
+            prog = bench_program(one, 2048, repeats)
         with dm.attach(client, dims={"dp": 2}) as two:
             step = bench_train_step(two, n_steps, repeats)
     finally:
@@ -419,8 +480,13 @@ def main(argv=None) -> None:
         ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us", "", ""),
         ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
          f"{step['rate'] / step['local']:.4f}"),
-        ("    controller time per step (3 messages)", f"{step['loop_ms']:>11.2f} ms     (global batch "
-         f"{step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
+        ("    controller time per step", f"{step['loop_ms']:>11.2f} ms     (nn.Module + SGD under activate(); "
+         f"global batch {step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
+        ("(d) torch op (x + x) under activate(), 1 worker", fmt_rate(disp["rate"], "op/s"),
+         fmt_rate(disp["local"], "op/s"), f"{disp['rate'] / disp['local']:.4f}"),
+        ("    controller time per op", f"{disp['call_us']:>11.0f} us", "", ""),
+        (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
+         f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
     ]
     mode = "quick" if args.quick else "full"
     print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
