@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import dask_monarch as dm
-from dask_monarch.protocol import CallFunction
 
 TIMEOUT = 60
 
@@ -32,7 +31,7 @@ def local_xs():
 
 
 def record_sends(session):
-    """Wrap ``session.send``: returns the list of (message type name, targets) it is called with."""
+    """Wrap ``session.send``: returns the list of (message type name, targets, message) it is called with."""
     sent = []
     send = session.send
 
