@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-__all__ = ["coalescing", "held_messages", "is_coalescing"]
+__all__ = ["coalescing", "held_messages", "is_coalescing", "refuse_wait"]
 
 _held: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_coalescing", default=None)
 
@@ -23,6 +23,16 @@ def held_messages():
 
 def is_coalescing() -> bool:
     return _held.get() is not None
+
+
+def refuse_wait(describe: str) -> None:
+    """``RuntimeError`` inside a block: an answer (a fetch, a status) could only come after the block is sent.
+    Call it before sending anything for the wait, so that a refused wait leaves nothing in the block."""
+    if _held.get() is not None:
+        raise RuntimeError(
+            f"{describe}: cannot wait for an answer inside dask_monarch.coalescing(); the block's messages are "
+            "only sent at its end. Fetch after the block."
+        )
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..exceptions import RemoteException
 from ..protocol import ArgsKwargs, SendValue
+from .coalescing import refuse_wait
 from .mesh import DeviceMesh
 from .session import DEFAULT_STREAM, MonarchFuture
 from .tensor import Tensor
@@ -66,6 +67,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         if t.mesh._rank_list != mesh._rank_list:
             raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")
     rank = _rank_of(mesh, coords)
+    refuse_wait(f"fetch_shard from rank {rank}")  # before the SendValue: a refused fetch leaves nothing in the block
     session = mesh._session
     refs = [t.ref.id for t in tensors]
     with session.lock:

@@ -44,7 +44,7 @@ from ..protocol import (
 )
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
-from .coalescing import held_messages
+from .coalescing import held_messages, refuse_wait
 from .history import History
 from .propagation import Propagator
 from .task_keys import parse_task_key, task_key
@@ -372,11 +372,7 @@ class Session:
         """Flush, then ``RequestStatus`` on every rank. The returned future resolves once every rank has answered
         ``Status`` past it; ``on_done()`` (under the session lock) computes its value or raises. ``kind`` names
         the tasks on the dashboard (``"status"`` or ``"fetch"``; ``"exit"`` with ``exit_after``)."""
-        if held_messages() is not None:
-            raise RuntimeError(
-                f"{describe}: cannot wait for an answer inside dask_monarch.coalescing(); the block's messages are "
-                "only sent at its end. Fetch after the block."
-            )
+        refuse_wait(describe)
         with self.lock:
             self.check_ok()
             seq = self.new_seq()
