@@ -237,3 +237,38 @@ def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
             dm.fetch_shard(result).result(timeout=TIMEOUT)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
     assert_cluster_serves(client1)
+
+
+# ------------------------------------------------------------------------------------------ attach arguments
+def scheduler_sessions(client) -> dict:
+    return client.sync(client.scheduler.monarch_sessions)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(workers=[]), ValueError, "workers: give at least one"),
+        (dict(workers="tcp://127.0.0.1:1"), TypeError, "workers must be a list"),
+        (dict(workers=[1]), TypeError, "workers must be Dask worker addresses"),
+        (dict(dims="dp"), TypeError, "dims must be a mapping"),
+        (dict(dims=3), TypeError, "dims must be a mapping"),
+        (dict(dims={"dp": 1}, comm_timeout=0), ValueError, "comm_timeout must be a positive number of seconds, got 0"),
+        (dict(dims={"dp": 1}, comm_timeout=-5), ValueError, "comm_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, comm_timeout="60"), ValueError, "comm_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, timeout=None), ValueError, "timeout must be a positive number of seconds, got None"),
+        (dict(dims={"dp": 1}, timeout=float("inf")), ValueError, "timeout must be a positive number"),
+    ],
+)
+def test_attach_rejects_bad_arguments_naming_them(client1, kwargs, error, text):
+    before = scheduler_sessions(client1)
+    with pytest.raises(error, match=text):
+        dm.attach(client1, **kwargs)
+    assert scheduler_sessions(client1) == before  # nothing was started
+
+
+def test_attach_with_more_ranks_than_workers_times_out_naming_the_dims(client1):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"dims \{'dp': 3\} need 3 workers, but the cluster has 1"):
+        dm.attach(client1, dims={"dp": 3}, timeout=2)
+    assert time.monotonic() - start < 30
+    assert_cluster_serves(client1)
