@@ -272,3 +272,39 @@ def test_attach_with_more_ranks_than_workers_times_out_naming_the_dims(client1):
         dm.attach(client1, dims={"dp": 3}, timeout=2)
     assert time.monotonic() - start < 30
     assert_cluster_serves(client1)
+
+
+# ------------------------------------------------------------------------------------- tensors of two sessions
+def add_vectors(a, b):
+    return a + b
+
+
+def test_tensors_of_another_session_are_rejected(client1):
+    """Two sessions on the same workers have the same rank lists and reuse the same ref ids: a tensor of one
+    must never be sent to the other, where its ref names a different value."""
+    a = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    b = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    try:
+        with a.activate():
+            xa = dm.remote(make_values)(3)
+            pad = dm.remote(make_values)(3)  # so that xb's ref id names a live tensor of session a
+        with b.activate():
+            xb = dm.remote(make_values)(3)
+        assert xb.ref == pad.ref or xb.ref == xa.ref
+        same_shape = dict(propagate=lambda x, y: torch.empty(3))
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(add_vectors, **same_shape)(xa, xb)
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(add_vectors, **same_shape)(xa, b)  # a mesh of session b as an argument
+        with b.activate(), pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(make_values)(a)  # session b is active, the mesh argument belongs to session a
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.fetch_shard([xa, xb])
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            xa.reduce("workers", "sum", out=xb)
+        # both sessions are untouched
+        assert torch.equal(dm.fetch_shard(xa).result(timeout=TIMEOUT), make_values(3))
+        assert torch.equal(dm.fetch_shard(xb).result(timeout=TIMEOUT), make_values(3))
+    finally:
+        a.exit()
+        b.exit()

@@ -63,6 +63,11 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         return _Done(obj)
     mesh = tensors[0].mesh
     for t in tensors[1:]:
+        if t.mesh._session is not mesh._session:
+            raise TypeError(
+                f"WRONG_MESH: fetch_shard of tensors of another session ({t.ref} of session "
+                f"{t.mesh._session.id[:8]}, {tensors[0].ref} of session {mesh._session.id[:8]})"
+            )
         if t.mesh._rank_list != mesh._rank_list:
             raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")
     rank = _rank_of(mesh, coords)

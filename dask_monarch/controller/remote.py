@@ -181,12 +181,23 @@ def _with_hint(error: Exception, text: str) -> Exception:
         return RuntimeError(text)
 
 
+def _wrong_session(what: str, mesh, other) -> TypeError:
+    return TypeError(
+        f"WRONG_MESH: {what} belongs to another session ({other._session.id[:8]}) than the mesh it runs on "
+        f"({mesh!r}); a session's tensors and meshes can only be used in that session"
+    )
+
+
 def _mesh_of(leaves) -> DeviceMesh:
+    """The mesh a call runs on: its tensor arguments' mesh, else the active mesh, else a mesh argument. Every
+    tensor and mesh argument must belong to that mesh's session (their refs mean nothing in another)."""
     mesh = None
     for x in leaves:
         if isinstance(x, Tensor):
             if mesh is None:
                 mesh = x.mesh
+            elif x.mesh._session is not mesh._session:
+                raise _wrong_session(f"tensor {x.ref}", mesh, x.mesh)
             elif x.mesh is not mesh and x.mesh._rank_list != mesh._rank_list:
                 raise TypeError(
                     f"WRONG_MESH: tensors of different meshes in one call: {mesh!r} and {x.mesh!r}"
@@ -201,8 +212,13 @@ def _mesh_of(leaves) -> DeviceMesh:
     if mesh is None:
         for x in leaves:
             if isinstance(x, DeviceMesh):
-                return x
-        raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
+                mesh = x
+                break
+        else:
+            raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
+    for x in leaves:
+        if isinstance(x, DeviceMesh) and x._session is not mesh._session:
+            raise _wrong_session(f"mesh argument {x!r}", mesh, x)
     return mesh
 
 
