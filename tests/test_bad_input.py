@@ -308,3 +308,41 @@ def test_tensors_of_another_session_are_rejected(client1):
     finally:
         a.exit()
         b.exit()
+
+
+# ------------------------------------------------------------------------------- remote functions that raise
+class CustomBaseException(BaseException):
+    pass
+
+
+def raise_keyboard_interrupt(x):
+    raise KeyboardInterrupt("pressed in a remote function")
+
+
+def raise_system_exit(x):
+    raise SystemExit(3)
+
+
+def raise_custom_base_exception(x):
+    raise CustomBaseException("not an Exception subclass")
+
+
+@pytest.mark.parametrize(
+    "fn, text",
+    [
+        (raise_keyboard_interrupt, "KeyboardInterrupt: pressed in a remote function"),
+        (raise_system_exit, "SystemExit: 3"),
+        (raise_custom_base_exception, "CustomBaseException: not an Exception subclass"),
+    ],
+)
+def test_remote_function_raising_a_base_exception_is_a_value_error(mesh1, client1, worker_pids, fn, text):
+    """Like any Python error of a remote function (spec §2 CallFunction): the results carry it, the session and
+    every other ref live on."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    bad = dm.remote(fn, propagate=lambda x: torch.empty(3))(x)
+    with pytest.raises(dm.RemoteException, match=text):
+        dm.fetch_shard(bad).result(timeout=TIMEOUT)
+    with pytest.raises(dm.RemoteException, match=text):  # a dependent carries the same error
+        dm.fetch_shard(dm.remote(torch.clone)(bad)).result(timeout=TIMEOUT)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))

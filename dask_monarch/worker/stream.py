@@ -221,7 +221,7 @@ class StreamWorker:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.results, err)
             self._store_error(msg.mutates, err)
-        except Exception:
+        except BaseException:  # whatever the function raises (KeyboardInterrupt, SystemExit, ...) is a value error
             err = self._root_error(msg.seq)
             self._store_error(msg.results, err)
             self._store_error(msg.mutates, err)
@@ -256,7 +256,7 @@ class StreamWorker:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
-        except Exception:
+        except BaseException:  # as in call_function: whatever the function raises is a value error
             err = self._root_error(msg.seq)
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
