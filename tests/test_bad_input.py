@@ -346,3 +346,47 @@ def test_remote_function_raising_a_base_exception_is_a_value_error(mesh1, client
     with pytest.raises(dm.RemoteException, match=text):  # a dependent carries the same error
         dm.fetch_shard(dm.remote(torch.clone)(bad)).result(timeout=TIMEOUT)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+# ------------------------------------------------------------------------------------ arguments that don't travel
+def add_one(x, extra):
+    return x + 1
+
+
+def _cannot_load(reason):
+    raise ModuleNotFoundError(reason)
+
+
+class NotOnTheWorkers:
+    """Pickles fine on the controller, but cannot be unpickled on the workers (as an object of a module that only
+    the controller has)."""
+
+    def __reduce__(self):
+        return (_cannot_load, ("No module named 'only_on_the_controller'",))
+
+
+def test_unpicklable_argument_raises_at_the_call_naming_it(mesh1, client1, worker_pids):
+    import threading
+
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    with pytest.raises(TypeError, match=r"add_one: an argument of type lock cannot be pickled"):
+        dm.remote(add_one, propagate=lambda x, e: torch.empty(3))(x, threading.Lock())
+    with pytest.raises(TypeError, match=r"fetch_shard: an argument of type lock cannot be pickled"):
+        dm.fetch_shard({"x": x, "lock": threading.Lock()})
+    # nothing was sent: the session and x live on
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    assert dm.fetch_shard({"x": x, "n": 5}).result(timeout=TIMEOUT)["n"] == 5
+
+
+def test_argument_that_cannot_be_unpickled_on_the_worker_is_a_value_error(mesh1, client1, worker_pids):
+    """Spec §2 CallFunction step 1: unpickling the arguments is part of the call, so its failure is the call's
+    value error; the session and the other refs live on."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    y = dm.remote(add_one, propagate=lambda x, e: torch.empty(3))(x, NotOnTheWorkers())
+    with pytest.raises(dm.RemoteException, match="only_on_the_controller") as info:
+        dm.fetch_shard(y).result(timeout=TIMEOUT)
+    assert "NotOnTheWorkers" in str(info.value)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    assert torch.equal(dm.fetch_shard(dm.remote(add_one)(x, 7)).result(timeout=TIMEOUT), make_values(3) + 1)

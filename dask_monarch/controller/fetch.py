@@ -7,11 +7,12 @@ arrive on CPU. A value that depends on a failed invocation raises ``RemoteExcept
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..exceptions import RemoteException
 from ..protocol import ArgsKwargs, SendValue
 from .mesh import DeviceMesh
+from .remote import pack_leaves
 from .session import DEFAULT_STREAM, MonarchFuture
 from .tensor import Tensor
 
@@ -57,7 +58,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     invocation (on any rank), ``SessionError`` if the session failed.
     """
     coords = {**(shard or {}), **coords}
-    leaves, _ = tree_flatten(obj)
+    leaves, spec = tree_flatten(obj)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
         return _Done(obj)
@@ -71,13 +72,15 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         if t.mesh._rank_list != mesh._rank_list:
             raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")
     rank = _rank_of(mesh, coords)
+    packed = pack_leaves(leaves, "fetch_shard")
+    sent = obj if packed is None else tree_unflatten(packed, spec)
     session = mesh._session
     refs = [t.ref.id for t in tensors]
     with session.lock:
         session.check_ok()
         seq = session.new_seq()
         session.record(seq, defs=[], uses=refs, what="fetch_shard")
-        session.send(SendValue(seq, None, [], None, ArgsKwargs((obj,), {}), DEFAULT_STREAM), [rank])
+        session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), DEFAULT_STREAM), [rank])
 
         def value():
             answer = session.take_fetch_result(seq)

@@ -17,12 +17,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
+from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
 from .mesh import DeviceMesh, get_active_mesh
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
 
-__all__ = ["remote", "Remote", "function_of"]
+__all__ = ["remote", "Remote", "function_of", "pack_leaves"]
+
+#: argument leaves that travel as they are in the batch; any other leaf is pickled at the call (``PickledValue``)
+_WIRE_SAFE = frozenset((
+    int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+    torch.memory_format, Ref, StreamRef,
+))
 
 
 def _is_none(x) -> bool:
@@ -81,6 +87,20 @@ def function_of(fn):
     return Cloudpickle(cloudpickle.dumps(fn))
 
 
+def pack_leaves(leaves: list, where: str) -> list | None:
+    """The argument leaves to send, with every leaf that is not a remote tensor, a mesh or a plain value pickled
+    now (``PickledValue``): an unpicklable argument raises ``TypeError`` naming ``where`` at the call, and one the
+    workers cannot unpickle fails only that call there. None if every leaf travels as it is."""
+    packed = None
+    for i, x in enumerate(leaves):
+        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh)):
+            continue
+        if packed is None:
+            packed = list(leaves)
+        packed[i] = PickledValue.of(x, where)
+    return packed
+
+
 def _local_callable(fn):
     if not isinstance(fn, str):
         return fn
@@ -124,6 +144,8 @@ class Remote:
         leaves, spec = tree_flatten((args, kwargs))
         mesh = _mesh_of(leaves)
         session = mesh._session
+        packed = pack_leaves(leaves, self.__name__)
+        sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
         inputs = [x for x in leaves if isinstance(x, Tensor)]
         for x in leaves:
             if isinstance(x, DeviceMesh):
@@ -158,7 +180,7 @@ class Remote:
                     values.append(leaf)
             seq = session.new_seq()
             message = CallFunction(
-                seq, results, [t.ref for t in mutates], self.function, ArgsKwargs(tuple(args), dict(kwargs)),
+                seq, results, [t.ref for t in mutates], self.function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
                 DEFAULT_STREAM, [],
             )
             session.record(

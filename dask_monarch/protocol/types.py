@@ -1,5 +1,5 @@
 """Value types carried by worker messages: ``Factory``, ``Reduction``, ``StreamCreationMode``,
-``ArgsKwargs``, ``UniqueId`` and ``WorkerError``.
+``ArgsKwargs``, ``PickledValue``, ``UniqueId`` and ``WorkerError``.
 
 Source: seed ``worker.rs`` (``Factory``, ``Reduction``/``ReduceOp``, ``StreamCreationMode``, ``ArgsKwargs``,
 ``SeqError``) and spec §2 "Types", §5 (reductions), §8 (``args_kwargs``).
@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "ArgsKwargs",
     "Factory",
+    "PickledValue",
     "ProtocolError",
     "Reduction",
     "StreamCreationMode",
@@ -118,6 +119,44 @@ class ArgsKwargs:
             return v.to_python() if isinstance(v, WireValue) else v
 
         return cls(tuple(conv(a) for a in args), {k: conv(v) for k, v in dict(kwargs).items()})
+
+@dataclass(slots=True, frozen=True)
+class PickledValue:
+    """An argument leaf the controller pickled at call time (``cloudpickle``), as Monarch pickles every call's
+    arguments (spec §8): objects other than refs, tensors, meshes, numbers, strings, dtypes and devices.
+
+    Pickling at the call makes an unpicklable argument a ``TypeError`` there; unpickling on the worker happens
+    while the call resolves its arguments, so an object the worker cannot load (its module is only on the
+    controller, say) is that call's value error (spec §2 ``CallFunction`` step 1), not the whole batch's.
+    ``type_name`` names the object's type for error messages.
+    """
+
+    data: bytes
+    type_name: str
+
+    @classmethod
+    def of(cls, value, where: str) -> "PickledValue":
+        """Pickle ``value``; ``TypeError`` naming ``where`` (the call) and the value's type if it cannot be."""
+        import cloudpickle
+
+        try:
+            return cls(cloudpickle.dumps(value, protocol=5), type(value).__qualname__)
+        except Exception as e:
+            raise TypeError(
+                f"{where}: an argument of type {type(value).__qualname__} cannot be pickled to send it to the "
+                f"workers: {type(e).__name__}: {e}"
+            ) from None
+
+    def load(self):
+        import cloudpickle
+
+        try:
+            return cloudpickle.loads(self.data)
+        except Exception as e:
+            raise RuntimeError(
+                f"could not unpickle an argument of type {self.type_name} on this worker: {type(e).__name__}: {e}"
+            ) from e
+
 
 @dataclass(slots=True, frozen=True)
 class WorkerError:

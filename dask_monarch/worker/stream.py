@@ -19,6 +19,7 @@ from ..protocol import (
     FetchResult,
     FunctionPath,
     GetRefResult,
+    PickledValue,
     Ref,
     RemoteFunctionFailed,
     StreamCreationMode,
@@ -139,10 +140,14 @@ class StreamWorker:
             return self._lookup(obj.id, meshes)
         if t in _PLAIN:
             return obj
+        if t is PickledValue:
+            return obj.load()
 
         def leaf(x):
             if type(x) is Ref:
                 return self._lookup(x.id, meshes)
+            if type(x) is PickledValue:
+                return x.load()
             ref = getattr(x, "__monarch_ref__", None)
             if ref is not None and not isinstance(x, type):
                 return self._lookup(ref(), meshes)
