@@ -3,6 +3,8 @@ reduce, reduce_out; spec §1 ``t.reduce``; spec §5 table), through gloo."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -158,3 +160,41 @@ def test_reduce_of_failed_input_raises_on_fetch_and_others_survive(mesh2x2, x):
         fetch(r, host=0, gpu=1)
     ok = x.reduce("gpu", "sum")  # the communicator still works after the failed input took part as zeros
     assert torch.equal(fetch(ok, host=0, gpu=0), local_x(0, 0) + local_x(0, 1))
+
+
+def rank_dependent_shape(h, g):
+    return torch.ones(3 + int(g))  # gpu 1 holds 4 elements where the controller expects 3
+
+
+def rank_dependent_dtype(h, g):
+    return torch.ones(3, dtype=torch.float32 if int(g) == 0 else torch.float64)
+
+
+def rank_dependent_type(h, g):
+    return torch.ones(3) if int(g) == 0 else "not a tensor"
+
+
+@pytest.mark.parametrize(
+    "make, text",
+    [
+        (rank_dependent_shape, r"has shape \[4\] and dtype torch.float32, but the controller expects shape \[3\]"),
+        (rank_dependent_dtype, r"dtype torch.float64, but the controller expects shape \[3\] and dtype torch.float32"),
+        (rank_dependent_type, r"is a str, not a tensor"),
+    ],
+)
+def test_reduce_of_inputs_that_differ_across_ranks_is_a_clear_error_not_a_hang(mesh2x2, x, make, text):
+    """gloo would wait for the peers until comm_timeout (60 s here) and then fail the session; instead the rank
+    whose input does not match the controller's shape takes part with zeros, so nobody waits, and every rank's
+    result carries the error (DESIGN.md "Decisions", as for an errored input)."""
+    bad = dm.remote(make, propagate=lambda h, g: torch.empty(3))(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    start = time.monotonic()
+    r = bad.reduce("gpu", "sum")
+    for h, g in ((0, 0), (1, 1)):
+        with pytest.raises(dm.RemoteException, match=text) as info:
+            fetch(r, host=h, gpu=g)
+        assert "reduce(sum over ('gpu',))" in str(info.value)
+        assert info.value.rank in (1, 3)  # a rank with gpu=1 reported it
+    assert time.monotonic() - start < 30
+    # refs not involved stay valid, and the communicator still works
+    assert torch.equal(fetch(x, host=1, gpu=1), local_x(1, 1))
+    assert torch.equal(fetch(x.reduce("gpu", "sum"), host=0, gpu=0), local_x(0, 0) + local_x(0, 1))

@@ -110,7 +110,7 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         session.send(
             Reduce(
                 result.ref, t.ref, Factory(shape, t.dtype, t._fake.layout, t.device), mesh_ref, DEFAULT_STREAM,
-                sorted_dims, red, bool(scatter), bool(in_place), out.ref if out is not None else None,
+                sorted_dims, red, bool(scatter), bool(in_place), out.ref if out is not None else None, seq,
             ),
             tmesh._rank_list,
         )

@@ -20,6 +20,7 @@ from ..protocol import (
     FunctionPath,
     GetRefResult,
     PickledValue,
+    Reduction,
     Ref,
     RemoteFunctionFailed,
     StreamCreationMode,
@@ -52,6 +53,26 @@ def _leaves(out) -> list:
     if type(out) in _PLAIN:
         return [out]
     return tree_flatten(out, is_leaf=_is_none)[0]
+
+
+def _mismatch(value, shape, dtype) -> str | None:
+    """Why ``value`` cannot stand for a tensor of ``shape`` and ``dtype`` in a collective, or None if it can."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        return (
+            f"has shape {list(value.shape)} and dtype {value.dtype}, but the controller expects shape "
+            f"{list(shape)} and dtype {dtype}"
+        )
+    return None
+
+
+def _reduce_shape(shape, reduction, scatter: bool, size: int) -> tuple:
+    """The output shape of a ``Reduce`` of input ``shape`` over ``size`` ranks (spec §5 table)."""
+    shape = tuple(shape)
+    if reduction is Reduction.Stack:
+        return shape if scatter else (size, *shape)
+    return shape[1:] if scatter else shape
 
 
 def _to_cpu(value):
@@ -310,8 +331,16 @@ class StreamWorker:
         if value is _MISSING:
             raise FatalError(f"Reduce.tensor: ref not found: {msg.tensor}")
         device = self.tw.device
+        factory = msg.factory
         if type(value) is SeqError:
-            error, value = value, msg.factory.zeros(device)
+            error, value = value, factory.zeros(device)
+        else:
+            problem = _mismatch(value, factory.size, factory.dtype)
+            if problem is not None:
+                # every rank must hand the collective the controller's shape and dtype, or the peers wait for
+                # bytes that never come (gloo: until comm_timeout): take part with zeros, fail the result
+                error = self._reduce_error(msg, dims, f"the input {msg.tensor} {problem}")
+                value = factory.zeros(device)
         out = None
         if msg.out is not None:
             out = env.get(msg.out.id, _MISSING)
@@ -319,6 +348,10 @@ class StreamWorker:
                 raise FatalError(f"Reduce.out: ref not found: {msg.out}")
             if type(out) is SeqError:
                 error, out = error or out, None
+            else:
+                problem = _mismatch(out, _reduce_shape(factory.size, msg.reduction, msg.scatter, size), factory.dtype)
+                if problem is not None:
+                    error, out = error or self._reduce_error(msg, dims, f"out {msg.out} {problem}"), None
         try:
             output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out)
         except comm.CommError as e:
@@ -326,6 +359,22 @@ class StreamWorker:
         if msg.result.id in env and msg.result.id not in (msg.tensor.id, getattr(msg.out, "id", None)):
             raise FatalError(f"Reduce: Duplicate write to reference {msg.result}")
         env[msg.result.id] = error if error is not None else output
+        if error is not None:  # what the reduce wrote into is not a valid value either (spec §3: mutates)
+            if msg.in_place:
+                env[msg.tensor.id] = error
+            if msg.out is not None:
+                env[msg.out.id] = error
+
+    def _reduce_error(self, msg, dims, problem: str) -> SeqError:
+        """A root failure of ``Reduce`` ``msg``: reported as ``RemoteFunctionFailed{msg.seq}`` when the
+        controller gave the seq (raw messages without one only store it)."""
+        text = (
+            f"Reduce over {dims} into {msg.result}: {problem}; every rank must reduce tensors of the shape and "
+            "dtype the controller computed (from the function's propagate), so this rank took part with zeros"
+        )
+        if msg.seq is None:
+            return SeqError(-1, WorkerError(text, self.tw.actor_id))
+        return self._root_error(msg.seq, text)
 
     def status_marker(self, barrier) -> None:
         """Arrive at a ``RequestStatus`` barrier once everything queued before it has run."""
