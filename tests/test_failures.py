@@ -27,8 +27,28 @@ def pid():
     return os.getpid()
 
 
-def sessions_on_workers(client):
-    return client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+def sessions_on_workers(client, workers=None):
+    return client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions), workers=workers)
+
+
+def session_threads(client, session_id, workers=None):
+    """Per worker: the names of the session's threads still alive there."""
+
+    def probe():
+        import threading
+
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-"))
+
+    return client.run(probe, workers=workers)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 @pytest.fixture
@@ -78,3 +98,37 @@ def test_controller_that_disappears_leaves_no_session(fresh_client2):
     assert not any(sessions_on_workers(client).values())
     sessions = client.sync(client.scheduler.monarch_sessions)
     assert sessions == {}
+
+
+def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanishes(fresh_client2, tmp_path):
+    """A controller killed mid-run: the call running on the workers finishes (a Python thread cannot be
+    interrupted), but nothing queued behind it runs any more, and the session is freed."""
+    client = fresh_client2
+    marker = tmp_path / "ran"
+    script = textwrap.dedent(f"""
+        import os, time, torch, dask_monarch as dm
+
+        def slow(r):
+            time.sleep(6)
+            return torch.ones(2)
+
+        def leave_mark(x, r):
+            open({str(marker)!r} + str(int(r)), "w").close()
+            return x
+
+        mesh = dm.attach({client.scheduler.address!r}, dims={{"dp": 2}}, comm_timeout=60)
+        r = mesh.rank("dp")
+        print(dm.inspect(r), flush=True)
+        y = dm.remote(slow, propagate=lambda r: torch.empty(2))(r)
+        y = dm.remote(leave_mark, propagate=lambda x, r: torch.empty(2))(y, r)
+        mesh._session.flush()
+        time.sleep(2)  # both ranks are inside slow()
+        print("sent", flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["tensor(0)", "sent"], out.stderr
+    assert wait_until(lambda: not any(sessions_on_workers(client).values()), 30)
+    time.sleep(8)  # slow() has returned on both ranks by now
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert client.sync(client.scheduler.monarch_sessions) == {}

@@ -129,8 +129,10 @@ class StreamWorker:
                 continue
             try:
                 for handler, arg in items:
+                    if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
+                        break
                     handler(arg)
-                self.applied += len(items)
+                    self.applied += 1
             except FatalError as e:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
@@ -353,9 +355,13 @@ class StreamWorker:
                 if problem is not None:
                     error, out = error or self._reduce_error(msg, dims, f"out {msg.out} {problem}"), None
         try:
-            output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out)
+            output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out, self.tw.comms)
         except comm.CommError as e:
-            raise FatalError(f"Reduce over {dims} (result {msg.result}): {e}") from None
+            try:
+                members = f" among ranks {mesh.get_ranks_for_dim_slice(dims)}"
+            except Exception:
+                members = ""
+            raise FatalError(f"Reduce over {dims}{members} (result {msg.result}): {e}") from None
         if msg.result.id in env and msg.result.id not in (msg.tensor.id, getattr(msg.out, "id", None)):
             raise FatalError(f"Reduce: Duplicate write to reference {msg.result}")
         env[msg.result.id] = error if error is not None else output

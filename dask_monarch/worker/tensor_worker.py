@@ -264,7 +264,7 @@ class TensorWorker:
             self.report(SessionFailed(WorkerError(text, self.actor_id)))
             self._cond.notify_all()
         logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
-        self.comms.shutdown()
+        self.comms.shutdown(f"the session failed on rank {self.rank}: {text[:500]}")
         self.inbox.close()
 
     def close(self, join_timeout: float = 10.0) -> None:
@@ -361,13 +361,12 @@ class TensorWorker:
             stream.enqueue(stream.status_marker, barrier)
 
     def exit(self, msg: Exit) -> None:
-        """Drain and stop every stream and end the session on this worker; the Dask worker lives on."""
+        """Drain and stop every stream and end the session on this worker; the Dask worker lives on. With an
+        error (a peer or the controller failed) the session fails here instead: queued work is dropped, and the
+        communicators are released first, so that a stream blocked in a collective with a lost peer errors out
+        now instead of at the collective's timeout."""
         if msg.error is not None:
-            # a peer or the controller failed: release the communicators first, so that a stream blocked in a
-            # collective with a lost peer errors out now instead of at the collective's timeout
-            logger.warning("dask_monarch session %s rank %d exits with error: %s", self.session_id, self.rank,
-                           msg.error[1])
-            self.comms.shutdown()
+            self.fail(f"the controller ended the session: {msg.error[1]}")
         self.flush_streams()
         self.close(join_timeout=10.0 if msg.error is None else 1.0)
 
