@@ -100,6 +100,63 @@ def test_controller_that_disappears_leaves_no_session(fresh_client2):
     assert sessions == {}
 
 
+def test_fetch_timeout_with_a_stopped_worker_is_honoured_and_names_the_worker(fresh_client2):
+    """A SIGSTOPped worker is still in the cluster (its heartbeats just stop) and answers nothing. The fetch's
+    TimeoutError comes after about its timeout, naming the rank that did not answer, instead of waiting on that
+    worker to describe its state."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    victim = mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            dm.fetch_shard(x).result(timeout=3)
+        assert time.monotonic() - start < 20
+        text = str(info.value)
+        assert f"rank 1 ({victim})" in text
+        assert "did not answer within" in text
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    mesh.exit()
+
+
+def test_stopped_worker_during_a_reduce_fails_the_session_naming_it(fresh_client2):
+    """spec/dask-notes.md §6 #9: stall one rank (SIGSTOP) during an all-reduce; the controller reports which rank
+    is missing within a bound far below both the collective timeout and Dask's worker-ttl (5 minutes), and the
+    surviving rank stops waiting in the collective at once instead of at comm_timeout."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240, heartbeat_timeout=10)
+    session_id = mesh.session_id
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.inspect(x.reduce("dp", "sum")).item() == 3  # the communicators exist: the stop hits a collective
+    survivor, victim = mesh.workers[0], mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    total = dm.remote(slow_add)(x).reduce("dp", "sum")
+    future = dm.fetch_shard(total)
+    time.sleep(1)  # both ranks are in slow_add; rank 0 goes on into the all-reduce
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat") as info:
+            future.result(timeout=200)
+        assert time.monotonic() - start < 90, info.value
+        mesh.exit()  # already reported: exit cleans up without raising
+        # the survivor was blocked in the all-reduce with the stopped rank: it lets go now, not at comm_timeout
+        assert wait_until(lambda: not session_threads(client, session_id, [survivor])[survivor], 60), \
+            session_threads(client, session_id, [survivor])
+        assert sessions_on_workers(client, [survivor])[survivor] == []
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    # once resumed, the stopped worker ends the session too, and the cluster serves a new session
+    assert wait_until(lambda: not any(session_threads(client, session_id).values()), 60)
+    with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
+        assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+
+
 def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanishes(fresh_client2, tmp_path):
     """A controller killed mid-run: the call running on the workers finishes (a Python thread cannot be
     interrupted), but nothing queued behind it runs any more, and the session is freed."""

@@ -11,8 +11,10 @@ Answers come back from ``monarch-sync`` tasks, whose results feed ``History`` an
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import math
 import pickle
 import threading
 import time
@@ -123,8 +125,10 @@ class Session:
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``max_batch`` is the number of
     buffered messages that forces a flush; ``flush_interval`` (seconds) is how long a message may wait in the
     buffer before the background flusher sends it; ``liveness_interval`` (seconds) is how often a waiting
-    fetch checks that the mesh's workers are alive; ``record_answers`` keeps every controller message received
-    in ``answers`` (for tests and debugging).
+    fetch checks that the mesh's workers are alive; ``heartbeat_timeout`` (seconds) is how long a worker of the
+    mesh may go without a heartbeat to the scheduler (a stopped or wedged process: Dask itself waits for its
+    worker-ttl, 5 minutes) before the session fails naming it; ``record_answers`` keeps every controller
+    message received in ``answers`` (for tests and debugging).
 
     Low-level use (tests, tools): ``send(message, ranks)`` queues any ``WorkerMessage``; ``sync(...).result()``
     waits until every rank has applied everything sent before.
@@ -139,8 +143,12 @@ class Session:
         max_batch: int = 4096,
         flush_interval: float = 0.005,
         liveness_interval: float = 1.0,
+        heartbeat_timeout: float = 30.0,
         record_answers: bool = False,
     ):
+        for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.id = uuid.uuid4().hex
         self.client = client
         self.workers = list(workers)
@@ -148,6 +156,7 @@ class Session:
         self.max_batch = max_batch
         self.flush_interval = flush_interval
         self.liveness_interval = liveness_interval
+        self.heartbeat_timeout = float(heartbeat_timeout)
         options = {"comm_timeout": float(comm_timeout)}
         self.params = [SessionParams(self.id, r, self.world_size, options) for r in range(self.world_size)]
         self.lock = threading.RLock()
@@ -351,40 +360,96 @@ class Session:
             self._flush_locked(seq, exit_after=exit_after)
             return future
 
+    #: how long a liveness question to the scheduler, or a diagnostic question to a worker, may take
+    PROBE_TIMEOUT = 5.0
+
     def describe_pending(self, seq: int, diagnose: bool = False) -> str:
-        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, what their workers report
-        about this session (inbox position, stream queues, failure)."""
+        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, how long ago each sent the
+        scheduler a heartbeat and what its worker reports about this session (inbox position, stream queues,
+        failure). Every question is bounded (``PROBE_TIMEOUT``): a stopped worker is named, not waited for."""
         late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
         who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
         text = f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
         if diagnose and late:
+            addresses = [self.workers[r] for r in late]
             try:
-                states = self.client.run(
-                    session_state, self.id, workers=[self.workers[r] for r in late], on_error="return"
-                )
-                sent = {self.workers[r]: self._batch_seq[r] for r in late}
-                text += "".join(
-                    f"\n  {addr}: {state!r}; batches sent to it: {sent.get(addr)}" for addr, state in states.items()
-                )
-            except Exception as e:
-                text += f"\n  (could not ask the workers: {type(e).__name__}: {e})"
+                ages = self._worker_ages()[0]
+            except Exception:
+                ages = {}
+            states = self._probe_workers(addresses)
+            sent = {self.workers[r]: self._batch_seq[r] for r in late}
+            for address in addresses:
+                age = ages.get(address)
+                beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
+                text += f"\n  {address}: {beat}{states[address]}; batches sent to it: {sent.get(address)}"
         return text
 
+    def _probe_workers(self, addresses: list) -> dict:
+        """``session_state`` of each worker, asked one by one in parallel, each bounded by ``PROBE_TIMEOUT``."""
+        timeout = self.PROBE_TIMEOUT
+        client = self.client
+
+        async def ask(address):
+            try:
+                answer = await asyncio.wait_for(
+                    client._run(session_state, self.id, workers=[address], on_error="return"), timeout
+                )
+                return repr(answer.get(address, answer))
+            except asyncio.TimeoutError:
+                return f"did not answer within {timeout:g} s (stopped, hung or unreachable)"
+            except Exception as e:
+                return f"could not be asked: {type(e).__name__}: {e}"
+
+        async def ask_all():
+            return dict(zip(addresses, await asyncio.gather(*(ask(a) for a in addresses))))
+
+        try:
+            return client.sync(ask_all, callback_timeout=timeout + 5)
+        except Exception as e:
+            return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
+
+    def _worker_ages(self) -> tuple[dict, float]:
+        """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval), from the
+        scheduler, bounded by ``PROBE_TIMEOUT``."""
+        answer = self.client.sync(
+            self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=self.PROBE_TIMEOUT
+        )
+        if answer is None:  # the scheduler runs an older dask_monarch without the handler: membership only
+            info = self.client.sync(self.client.scheduler.identity, callback_timeout=self.PROBE_TIMEOUT)
+            known = info.get("workers", {})
+            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0
+        return answer["ages"], float(answer["interval"])
+
+    def _unhealthy(self, ages: dict, interval: float) -> str:
+        """The ranks whose worker left the cluster, else those silent for more than ``heartbeat_timeout`` (and
+        ten heartbeat intervals), as text; empty if all look alive."""
+        gone = [(r, a) for r, a in enumerate(self.workers) if ages.get(a, 0.0) is None]
+        if gone:
+            names = ", ".join(f"rank {r} ({a})" for r, a in gone)
+            return f"worker(s) left the cluster: {names}"
+        limit = max(self.heartbeat_timeout, 10 * interval)
+        stale = [(r, a, ages[a]) for r, a in enumerate(self.workers) if (ages.get(a) or 0.0) > limit]
+        if stale:
+            names = ", ".join(f"rank {r} ({a}) has sent no heartbeat to the Dask scheduler for {age:.0f} s"
+                              for r, a, age in stale)
+            return (f"{names} (heartbeat_timeout={self.heartbeat_timeout:g} s): its process is stopped, hung or "
+                    "its event loop is blocked")
+        return ""
+
     def check_alive(self) -> None:
-        """Raise ``SessionError`` if the session failed or a worker of the mesh left the cluster."""
+        """Raise ``SessionError`` if the session failed, a worker of the mesh left the cluster, or one has been
+        silent for longer than ``heartbeat_timeout`` (a stopped process, which Dask keeps for its worker-ttl)."""
         if self.failure is not None:
             raise self.failure
         try:
-            info = self.client.scheduler_info()
+            ages, interval = self._worker_ages()
         except Exception as e:
             err = SessionError(f"session {self.id}: the Dask scheduler is unreachable: {type(e).__name__}: {e}")
             self._fail(err)
             raise err from None
-        alive = set(info.get("workers", {}))
-        gone = [(r, a) for r, a in enumerate(self.workers) if a not in alive]
-        if gone:
-            names = ", ".join(f"rank {r} ({a})" for r, a in gone)
-            err = SessionError(f"session {self.id}: worker(s) left the cluster: {names}; the mesh cannot continue")
+        problem = self._unhealthy(ages, interval)
+        if problem:
+            err = SessionError(f"session {self.id}: {problem}; the mesh cannot continue")
             self._fail(err)
             raise err
 
@@ -399,6 +464,12 @@ class Session:
 
     def _on_sync_done(self, fut) -> None:
         rank = int(fut.key.rsplit("-", 2)[1])
+        if fut.status == "cancelled":
+            self._fail(SessionError(
+                f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
+                "cancelled (the cluster was restarted, or the task was released)"
+            ))
+            return
         if fut.status != "finished":
             try:
                 exc = fut.exception()
@@ -411,11 +482,20 @@ class Session:
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
             return
+        note = ""
+        if self.failure is None and any(type(m) is SessionFailed for m in messages):
+            # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
+            # worker that left or went silent, if the scheduler knows one
+            try:
+                problem = self._unhealthy(*self._worker_ages())
+            except Exception:
+                problem = ""
+            note = f"\n(meanwhile: {problem})" if problem else ""
         with self.lock:
             for msg in messages:
-                self._handle(rank, msg)
+                self._handle(rank, msg, note)
 
-    def _handle(self, rank: int, msg) -> None:
+    def _handle(self, rank: int, msg, note: str = "") -> None:
         if self.answers is not None:
             self.answers.append((rank, msg))
         kind = type(msg)
@@ -440,7 +520,7 @@ class Session:
             self.get_ref_results.append((rank, msg))
         elif kind is SessionFailed:
             self._fail(SessionError(
-                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}"
+                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}{note}"
             ))
         else:
             logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)

@@ -11,6 +11,8 @@ import asyncio
 import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time as dask_time
+from distributed.scheduler import heartbeat_interval
 
 from ..worker.plugin import END_SESSION_OP
 from .kv import KeyValueStore
@@ -48,6 +50,7 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 "monarch_session_open": self.session_open,
                 "monarch_session_close": self.session_close,
                 "monarch_sessions": self.list_sessions,
+                "monarch_worker_ages": self.worker_ages,
             }
         )
 
@@ -91,6 +94,17 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         blocked building a communicator with a lost peer stops now); returns the number of keys deleted."""
         self.sessions.pop(session_id, None)
         return await self.kv.abort(f"{session_id}/")
+
+    def worker_ages(self, workers: list) -> dict:
+        """Liveness of ``workers`` as the scheduler sees it: ``ages`` maps each address to the seconds since its
+        last heartbeat (None if it is not in the cluster); ``interval`` is the heartbeat interval the scheduler
+        asks of its workers now. Measured on the scheduler's clock, so the controller's clock does not matter."""
+        now = dask_time()  # the clock of WorkerState.last_seen
+        ages = {}
+        for address in workers:
+            ws = self.scheduler.workers.get(address)
+            ages[address] = None if ws is None else max(0.0, now - ws.last_seen)
+        return {"ages": ages, "interval": heartbeat_interval(len(self.scheduler.workers))}
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}
