@@ -189,3 +189,22 @@ def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanish
     time.sleep(8)  # slow() has returned on both ranks by now
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert client.sync(client.scheduler.monarch_sessions) == {}
+
+
+def test_exit_returns_when_the_scheduler_stops_answering(cli_cluster_procs):
+    """A stopped (SIGSTOP) scheduler: the waiting fetch fails within a bound naming the scheduler, and
+    mesh.exit() then returns instead of waiting forever to unregister the session."""
+    address, procs = cli_cluster_procs
+    mesh = dm.attach(address, dims={"dp": 2}, comm_timeout=60, timeout=90)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    scheduler = procs[0]
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match="the Dask scheduler is unreachable"):
+            dm.fetch_shard(x).result(timeout=120)
+        mesh.exit(timeout=10)
+        assert time.monotonic() - start < 60
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)

@@ -4,12 +4,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -91,38 +86,6 @@ def test_two_sessions_from_two_threads(client2):
         t.join(120)
     assert torch.equal(results[3], torch.full((4,), 6.0))
     assert torch.equal(results[5], torch.full((4,), 10.0))
-
-
-@pytest.fixture
-def cli_cluster(tmp_path):
-    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines."""
-    scheduler_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    bindir = os.path.dirname(sys.executable)
-    procs = [subprocess.Popen(
-        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--dashboard-address", ":0",
-         "--scheduler-file", str(scheduler_file)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )]
-    try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for _ in range(2):
-            procs.append(subprocess.Popen(
-                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
-        yield address
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_attach_to_command_line_cluster(cli_cluster):

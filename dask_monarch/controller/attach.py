@@ -116,7 +116,7 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     else:
         raise TypeError(f"cluster must be a distributed.Client, a scheduler address or None, got {type(cluster).__name__}")
     if owns_client:
-        closers.insert(0, client.close)
+        closers.insert(0, lambda: client.close(timeout=timeout))
 
     def close_all():
         for close in closers:
@@ -161,8 +161,12 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
         client.sync(
             client.scheduler.monarch_session_open,
             session_id=session.id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
+            callback_timeout=timeout,
         )
-        closers.insert(0, lambda: client.sync(client.scheduler.monarch_session_close, session_id=session.id))
+        # bounded: exit() must return even when the scheduler no longer answers
+        closers.insert(0, lambda: client.sync(
+            client.scheduler.monarch_session_close, session_id=session.id, callback_timeout=Session.PROBE_TIMEOUT
+        ))
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
         mesh._closer = close_all
         return mesh
