@@ -208,3 +208,15 @@ def test_exit_returns_when_the_scheduler_stops_answering(cli_cluster_procs):
         assert time.monotonic() - start < 60
     finally:
         os.kill(scheduler.pid, signal.SIGCONT)
+
+
+def test_restarting_the_cluster_fails_the_session_saying_so(fresh_client2):
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(slow_add)(dm.remote(torch.add)(mesh.rank("dp"), 1))
+    future = dm.fetch_shard(x)
+    time.sleep(1)
+    client.restart(timeout=60)
+    with pytest.raises(dm.SessionError, match="cancelled"):
+        future.result(timeout=60)
+    mesh.exit()
