@@ -390,3 +390,27 @@ def test_argument_that_cannot_be_unpickled_on_the_worker_is_a_value_error(mesh1,
     assert "NotOnTheWorkers" in str(info.value)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
     assert torch.equal(dm.fetch_shard(dm.remote(add_one)(x, 7)).result(timeout=TIMEOUT), make_values(3) + 1)
+
+
+# ----------------------------------------------------------------------------------------- fetch coordinates
+def test_fetch_coordinates_must_be_ints_and_numpy_ints_are_ints(mesh1):
+    import numpy as np
+
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    assert torch.equal(dm.fetch_shard(x, workers=np.int64(0)).result(timeout=TIMEOUT), make_values(3))
+    for bad in ("0", 0.0, True, None):
+        with pytest.raises(TypeError, match=rf"fetch_shard: coordinate workers={bad!r} must be an int"):
+            dm.fetch_shard(x, workers=bad)
+    with pytest.raises(IndexError, match="fetch_shard: coordinate workers=1 out of range for size 1"):
+        dm.fetch_shard(x, workers=1)
+    with pytest.raises(TypeError, match=r"fetch_shard: shard must be a dict of dimension -> coordinate, got \[0\]"):
+        dm.fetch_shard(x, [0])
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+def test_remote_rejects_what_it_cannot_call_when_it_is_made():
+    with pytest.raises(TypeError, match="remote\\(\\) needs a callable or a dotted path, got int"):
+        dm.remote(5)
+    with pytest.raises(ValueError, match="remote function paths must be fully qualified, got 'nodot'"):
+        dm.remote("nodot")

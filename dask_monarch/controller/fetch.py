@@ -7,6 +7,8 @@ arrive on CPU. A value that depends on a failed invocation raises ``RemoteExcept
 
 from __future__ import annotations
 
+import operator
+
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..exceptions import RemoteException
@@ -42,7 +44,13 @@ def _rank_of(mesh: DeviceMesh, coords: dict) -> int:
     index = []
     for name, size in zip(mesh.names, mesh.ranks.sizes):
         c = coords[name]
-        if not isinstance(c, int) or not 0 <= c < size:
+        try:
+            if isinstance(c, bool):
+                raise TypeError
+            c = operator.index(c)  # ints, and numpy's
+        except TypeError:
+            raise TypeError(f"fetch_shard: coordinate {name}={coords[name]!r} must be an int") from None
+        if not 0 <= c < size:
             raise IndexError(f"fetch_shard: coordinate {name}={c!r} out of range for size {size}")
         index.append(c)
     return mesh.ranks.location(index)
@@ -57,6 +65,8 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     ``IndexError`` for bad coordinates; the future raises ``RemoteException`` if the value depends on a failed
     invocation (on any rank), ``SessionError`` if the session failed.
     """
+    if shard is not None and not isinstance(shard, dict):
+        raise TypeError(f"fetch_shard: shard must be a dict of dimension -> coordinate, got {shard!r}")
     coords = {**(shard or {}), **coords}
     leaves, spec = tree_flatten(obj)
     tensors = [x for x in leaves if isinstance(x, Tensor)]

@@ -253,5 +253,9 @@ def remote(fn=None, *, propagate=None):
     tensor outputs.
     """
     if fn is None:
-        return lambda f: Remote(f, propagate)
+        return lambda f: remote(f, propagate=propagate)
+    if isinstance(fn, str):
+        function_of(fn)  # a path without a dot fails now, not at the first call
+    elif not callable(fn):
+        raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
     return Remote(fn, propagate)
