@@ -220,3 +220,22 @@ def test_restarting_the_cluster_fails_the_session_saying_so(fresh_client2):
     with pytest.raises(dm.SessionError, match="cancelled"):
         future.result(timeout=60)
     mesh.exit()
+
+
+def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
+    """mesh.exit() waits for every rank to drain; a rank that never answers is reported by exit itself."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=5)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    victim = mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat"):
+            mesh.exit(timeout=120)
+        assert time.monotonic() - start < 60
+        mesh.exit()  # reported once: a second exit is quiet
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)

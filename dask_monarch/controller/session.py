@@ -564,18 +564,22 @@ class Session:
     # ------------------------------------------------------------------------------------------------- exit
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
-        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), or the
-        ``SessionError`` if the session failed and no fetch reported it."""
+        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
+        if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
+        included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
         if self.closed:
             return
+        during_exit = None
         try:
             if self.failure is None:
                 self.sync("mesh.exit()", exit_after=True).result(timeout=timeout)
-        except SessionError:
-            pass
+        except SessionError as e:
+            during_exit = e  # a rank failed or went silent while draining: nobody else reports it
         finally:
             self.closed = True
             self._wake.set()
+        if during_exit is not None:
+            raise during_exit
         if self.failure is not None and not self._failure_seen:
             self._failure_seen = True
             raise self.failure
