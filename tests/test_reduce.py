@@ -198,3 +198,27 @@ def test_reduce_of_inputs_that_differ_across_ranks_is_a_clear_error_not_a_hang(m
     # refs not involved stay valid, and the communicator still works
     assert torch.equal(fetch(x, host=1, gpu=1), local_x(1, 1))
     assert torch.equal(fetch(x.reduce("gpu", "sum"), host=0, gpu=0), local_x(0, 0) + local_x(0, 1))
+
+
+def busy_on_gpu_1(h, g):
+    if int(g) == 1:
+        time.sleep(12)
+    return torch.ones(3)
+
+
+def test_collective_timeout_says_it_is_comm_timeout_and_names_the_group(client4):
+    """A peer that reaches the collective too late (here: busy in a long call) fails the session with an error
+    that names the knob (comm_timeout) and the group's ranks, not only gloo's 'Timed out waiting ... recv'."""
+    mesh = dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=4)
+    try:
+        h, g = mesh.rank("host"), mesh.rank("gpu")
+        assert fetch(dm.remote(make_x)(h, g).reduce("gpu"), host=0, gpu=0).shape == (3, 4)  # comms are built
+        late = dm.remote(busy_on_gpu_1, propagate=lambda h, g: torch.empty(3))(h, g).reduce("gpu")
+        with pytest.raises(dm.SessionError, match=r"all-reduce did not complete within comm_timeout=4 s") as info:
+            fetch(late, host=0, gpu=0)
+        assert "among ranks [0, 1]" in str(info.value) or "among ranks [2, 3]" in str(info.value)
+    finally:
+        try:
+            mesh.exit()
+        except Exception:
+            pass

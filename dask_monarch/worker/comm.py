@@ -163,6 +163,11 @@ def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
     except CommError:
         raise
     except Exception as e:
+        if comms is not None and "Timed out" in str(e):
+            raise CommError(
+                f"{what} did not complete within comm_timeout={comms.timeout:g} s: a peer did not reach it in time "
+                f"(still busy with earlier work, stopped, or not at this collective): {type(e).__name__}: {e}"
+            ) from None
         raise CommError(f"{what} among {among} failed: {type(e).__name__}: {e}") from None
 
 
