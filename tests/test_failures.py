@@ -166,7 +166,7 @@ def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanish
         import os, time, torch, dask_monarch as dm
 
         def slow(r):
-            time.sleep(6)
+            time.sleep(4)
             return torch.ones(2)
 
         def leave_mark(x, r):
@@ -186,16 +186,17 @@ def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanish
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["tensor(0)", "sent"], out.stderr
     assert wait_until(lambda: not any(sessions_on_workers(client).values()), 30)
-    time.sleep(8)  # slow() has returned on both ranks by now
+    time.sleep(4)  # slow() has returned on both ranks by now (it was entered more than 2 s before the exit)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert client.sync(client.scheduler.monarch_sessions) == {}
 
 
 def test_exit_returns_when_the_scheduler_stops_answering(cli_cluster_procs):
-    """A stopped (SIGSTOP) scheduler: the waiting fetch fails within a bound naming the scheduler, and
-    mesh.exit() then returns instead of waiting forever to unregister the session."""
+    """A stopped (SIGSTOP) scheduler: the waiting fetch fails within a bound (heartbeat_timeout, as for a silent
+    worker) naming the scheduler, and mesh.exit() then returns instead of waiting forever to unregister the
+    session."""
     address, procs = cli_cluster_procs
-    mesh = dm.attach(address, dims={"dp": 2}, comm_timeout=60, timeout=90)
+    mesh = dm.attach(address, dims={"dp": 2}, comm_timeout=60, timeout=90, heartbeat_timeout=5)
     x = dm.remote(torch.add)(mesh.rank("dp"), 1)
     assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
     scheduler = procs[0]

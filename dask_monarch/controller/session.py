@@ -360,7 +360,8 @@ class Session:
             self._flush_locked(seq, exit_after=exit_after)
             return future
 
-    #: how long a liveness question to the scheduler, or a diagnostic question to a worker, may take
+    #: how long a diagnostic question to a worker or the scheduler may take (the liveness check of a wait allows
+    #: the scheduler ``heartbeat_timeout``)
     PROBE_TIMEOUT = 5.0
 
     def describe_pending(self, seq: int, diagnose: bool = False) -> str:
@@ -373,7 +374,7 @@ class Session:
         if diagnose and late:
             addresses = [self.workers[r] for r in late]
             try:
-                ages = self._worker_ages()[0]
+                ages = self._worker_ages(self.PROBE_TIMEOUT)[0]
             except Exception:
                 ages = {}
             states = self._probe_workers(addresses)
@@ -408,14 +409,16 @@ class Session:
         except Exception as e:
             return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
 
-    def _worker_ages(self) -> tuple[dict, float]:
+    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float]:
         """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval), from the
-        scheduler, bounded by ``PROBE_TIMEOUT``."""
+        scheduler, bounded by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may
+        take seconds to answer, and a silent scheduler is judged like a silent worker)."""
+        timeout = self.heartbeat_timeout if timeout is None else timeout
         answer = self.client.sync(
-            self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=self.PROBE_TIMEOUT
+            self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
         )
         if answer is None:  # the scheduler runs an older dask_monarch without the handler: membership only
-            info = self.client.sync(self.client.scheduler.identity, callback_timeout=self.PROBE_TIMEOUT)
+            info = self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
             known = info.get("workers", {})
             return {a: (0.0 if a in known else None) for a in self.workers}, 0.0
         return answer["ages"], float(answer["interval"])
@@ -487,7 +490,7 @@ class Session:
             # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
             # worker that left or went silent, if the scheduler knows one
             try:
-                problem = self._unhealthy(*self._worker_ages())
+                problem = self._unhealthy(*self._worker_ages(self.PROBE_TIMEOUT))
             except Exception:
                 problem = ""
             note = f"\n(meanwhile: {problem})" if problem else ""
@@ -539,8 +542,12 @@ class Session:
         for _, future, _ in waiters:
             future._set(error=error)
         self._exit_remote(str(error))
-        try:  # fail rendezvous still waiting in this session (a rank building a communicator with a lost peer)
-            self.client.loop.add_callback(self.client.scheduler.monarch_session_close, session_id=self.id)
+        # and through the scheduler: fail rendezvous still waiting in this session, and end it on every worker
+        # around its inbox (a rank building a communicator with a lost peer does not read its inbox)
+        try:
+            self.client.loop.add_callback(
+                self.client.scheduler.monarch_session_close, session_id=self.id, reason=str(error)[:2000]
+            )
         except Exception:
             pass
 
