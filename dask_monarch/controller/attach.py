@@ -82,7 +82,8 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
     worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``timeout`` (seconds) bounds
-    waiting for enough workers.
+    waiting for enough workers. Other keyword arguments go to ``Session``, e.g. ``heartbeat_timeout`` (seconds,
+    default 30): a mesh worker silent that long (stopped, hung) fails the session, naming it.
 
     Raises ``ValueError``/``TypeError`` for bad ``dims``/``workers``/timeouts (naming them), ``TimeoutError`` if
     too few workers join in time, and ``RuntimeError`` if the scheduler cannot import dask_monarch.
