@@ -414,3 +414,36 @@ def test_remote_rejects_what_it_cannot_call_when_it_is_made():
         dm.remote(5)
     with pytest.raises(ValueError, match="remote function paths must be fully qualified, got 'nodot'"):
         dm.remote("nodot")
+
+
+# --------------------------------------------------------------------------------- fetched values that don't travel
+def return_a_lock(x):
+    import threading
+
+    return threading.Lock()
+
+
+def return_an_object_only_the_workers_can_load(x):
+    class OnlyOnTheWorkers:
+        def __reduce__(self):
+            return (_cannot_load, ("No module named 'only_on_the_workers'",))
+
+    return OnlyOnTheWorkers()
+
+
+@pytest.mark.parametrize(
+    "fn, text",
+    [
+        (return_a_lock, r"the fetched value of type lock cannot be pickled"),
+        (return_an_object_only_the_workers_can_load,
+         r"the fetched value of type .*OnlyOnTheWorkers could not be unpickled on the controller: "
+         r"ModuleNotFoundError: No module named 'only_on_the_workers'"),
+    ],
+)
+def test_fetched_value_that_cannot_travel_fails_only_that_fetch(mesh1, client1, worker_pids, fn, text):
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    y = dm.remote(fn, propagate=lambda x: torch.empty(3))(x)
+    with pytest.raises(dm.RemoteException, match=text):
+        dm.fetch_shard(y).result(timeout=TIMEOUT)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))

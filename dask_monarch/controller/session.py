@@ -33,6 +33,7 @@ from ..protocol import (
     Exit,
     FetchResult,
     GetRefResult,
+    PickledValue,
     Ref,
     RemoteFunctionFailed,
     RequestStatus,
@@ -41,6 +42,7 @@ from ..protocol import (
     Status,
     StreamCreationMode,
     StreamRef,
+    WorkerError,
 )
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
@@ -485,6 +487,7 @@ class Session:
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
             return
+        messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
         note = ""
         if self.failure is None and any(type(m) is SessionFailed for m in messages):
             # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
@@ -497,6 +500,19 @@ class Session:
         with self.lock:
             for msg in messages:
                 self._handle(rank, msg, note)
+
+    def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
+        """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
+        controller cannot load (its class's module is only on the workers) becomes that fetch's error."""
+        value = msg.value
+        if type(value) is not PickledValue:
+            return msg
+        try:
+            return FetchResult(msg.seq, value=value.load())
+        except Exception as e:
+            text = (f"the fetched value of type {value.type_name} could not be unpickled on the controller: "
+                    f"{type(e).__name__}: {e}")
+            return FetchResult(msg.seq, error=WorkerError(text, self.workers[rank]))
 
     def _handle(self, rank: int, msg, note: str = "") -> None:
         if self.answers is not None:

@@ -122,12 +122,15 @@ class ArgsKwargs:
 
 @dataclass(slots=True, frozen=True)
 class PickledValue:
-    """An argument leaf the controller pickled at call time (``cloudpickle``), as Monarch pickles every call's
-    arguments (spec §8): objects other than refs, tensors, meshes, numbers, strings, dtypes and devices.
+    """A value pickled on its own, so that whoever cannot unpickle it fails alone, not the batch around it.
 
-    Pickling at the call makes an unpicklable argument a ``TypeError`` there; unpickling on the worker happens
-    while the call resolves its arguments, so an object the worker cannot load (its module is only on the
-    controller, say) is that call's value error (spec §2 ``CallFunction`` step 1), not the whole batch's.
+    * An argument leaf the controller pickled at call time, as Monarch pickles every call's arguments (spec §8):
+      objects other than refs, tensors, meshes, numbers, strings, dtypes and devices. An unpicklable argument
+      is a ``TypeError`` at the call; one the worker cannot load (its module is only on the controller, say)
+      is that call's value error (spec §2 ``CallFunction`` step 1), not the whole batch's.
+    * A fetched value (``FetchResult.value``) the worker pickled: one the controller cannot load (its module
+      is only on the workers) fails that fetch, not every answer of the rank.
+
     ``type_name`` names the object's type for error messages.
     """
 
@@ -147,15 +150,24 @@ class PickledValue:
                 f"workers: {type(e).__name__}: {e}"
             ) from None
 
-    def load(self):
+    @classmethod
+    def dumps(cls, value) -> "PickledValue":
+        """Pickle ``value`` (plain pickle when it can, else cloudpickle); raises what pickling raised."""
+        import pickle
+
         import cloudpickle
 
         try:
-            return cloudpickle.loads(self.data)
-        except Exception as e:
-            raise RuntimeError(
-                f"could not unpickle an argument of type {self.type_name} on this worker: {type(e).__name__}: {e}"
-            ) from e
+            data = pickle.dumps(value, protocol=5)
+        except Exception:
+            data = cloudpickle.dumps(value, protocol=5)
+        return cls(data, type(value).__qualname__)
+
+    def load(self):
+        """The value; raises what unpickling raised (callers say where it happened)."""
+        import cloudpickle
+
+        return cloudpickle.loads(self.data)
 
 
 @dataclass(slots=True, frozen=True)

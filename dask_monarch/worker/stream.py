@@ -55,6 +55,22 @@ def _leaves(out) -> list:
     return tree_flatten(out, is_leaf=_is_none)[0]
 
 
+def _plain_tree(value) -> bool:
+    """Whether every leaf of ``value`` is a tensor or a plain value, which any controller can unpickle."""
+    if type(value) in _PLAIN:
+        return True
+    return all(type(leaf) in _PLAIN for leaf in tree_flatten(value)[0])
+
+
+def _load_argument(pickled: PickledValue):
+    try:
+        return pickled.load()
+    except Exception as e:
+        raise RuntimeError(
+            f"could not unpickle an argument of type {pickled.type_name} on this worker: {type(e).__name__}: {e}"
+        ) from e
+
+
 def _mismatch(value, shape, dtype) -> str | None:
     """Why ``value`` cannot stand for a tensor of ``shape`` and ``dtype`` in a collective, or None if it can."""
     if not isinstance(value, torch.Tensor):
@@ -164,13 +180,13 @@ class StreamWorker:
         if t in _PLAIN:
             return obj
         if t is PickledValue:
-            return obj.load()
+            return _load_argument(obj)
 
         def leaf(x):
             if type(x) is Ref:
                 return self._lookup(x.id, meshes)
             if type(x) is PickledValue:
-                return x.load()
+                return _load_argument(x)
             ref = getattr(x, "__monarch_ref__", None)
             if ref is not None and not isinstance(x, type):
                 return self._lookup(ref(), meshes)
@@ -276,7 +292,15 @@ class StreamWorker:
                         f"{len(kwargs)} keyword arguments"
                     )
                 value = args[0]
-            self.tw.report(FetchResult(msg.seq, value=_to_cpu(value)))
+            value = _to_cpu(value)
+            try:  # objects pickle on their own, so that one the controller cannot unpickle fails only this fetch
+                if not _plain_tree(value):
+                    value = PickledValue.dumps(value)
+            except Exception as e:
+                text = f"the fetched value of type {type(value).__name__} cannot be pickled: {type(e).__name__}: {e}"
+                self.tw.report(FetchResult(msg.seq, error=WorkerError(text, self.tw.actor_id)))
+                return
+            self.tw.report(FetchResult(msg.seq, value=value))
         except DependentError as e:
             self._store_error(msg.mutates, e.root)
             self.tw.report(FetchResult(msg.seq, error=e.root.error))
