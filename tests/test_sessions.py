@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -94,3 +95,43 @@ def test_attach_to_command_line_cluster(cli_cluster):
         x = dm.remote(torch.add)(mesh.rank("dp"), 1)
         s = x.reduce("dp", "sum")
         assert dm.fetch_shard(s, dp=1).result(timeout=TIMEOUT).item() == 3  # (0 + 1) + (1 + 1)
+
+
+def make_filled(n, value):
+    return torch.full((n,), float(value))
+
+
+def test_answers_of_a_rank_apply_in_order_when_their_tasks_finish_out_of_order(client1):
+    """Two fetches in flight: Dask may hand the controller the second status task's answers (Status past both
+    fetches) before the first's (the first fetch's FetchResult), e.g. when several threads fetch at once. The
+    first fetch must still get its value, not 'answered Status but no FetchResult' (spec §3: a future resolves
+    once every rank's answers up to its Status are in)."""
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    try:
+        session = mesh._session
+        with mesh.activate():
+            a = dm.remote(make_filled)(3, 1)
+            b = dm.remote(make_filled)(4, 2)
+        real = session._on_sync_done
+        held = []
+
+        def first_one_late(fut):
+            if not held and not getattr(first_one_late, "done", False):
+                held.append(fut)  # the first status task's answers are delivered after the second's
+                return
+            first_one_late.done = True
+            real(fut)
+            while held:
+                real(held.pop())
+
+        session._on_sync_done = first_one_late
+        fa = dm.fetch_shard(a)
+        deadline = time.monotonic() + TIMEOUT
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held, "the first status task did not finish"
+        fb = dm.fetch_shard(b)
+        assert torch.equal(fb.result(timeout=TIMEOUT), torch.full((4,), 2.0))
+        assert torch.equal(fa.result(timeout=TIMEOUT), torch.full((3,), 1.0))
+    finally:
+        mesh.exit()

@@ -6,7 +6,9 @@ for the same set of ranks form a segment that is pickled once and shared by ever
 every rank is serialized once. Each rank's tasks carry an increasing batch number; the worker's inbox restores
 the order that Dask does not keep.
 
-Answers come back from ``monarch-sync`` tasks, whose results feed ``History`` and the fetch futures.
+Answers come back from ``monarch-sync`` tasks, whose results feed ``History`` and the fetch futures. Each
+carries a numbered chunk of its worker's outbox, and a rank's chunks are applied in that order, whatever order
+Dask finishes the tasks in.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ class Session:
         self._deletes: deque = deque()  # (targets tuple, ref id), appended from any thread (GC)
         self._batch_seq = [0] * self.world_size
         self._inflight: list[deque] = [deque() for _ in range(self.world_size)]
+        self._answers_next = [0] * self.world_size  # per rank: the next outbox chunk to apply
+        self._answers_held: list[dict] = [{} for _ in range(self.world_size)]  # chunks that came early
         self._next_seq = 0
         self._next_ref = 0
         self._waiters: list[tuple] = []  # (status seq, MonarchFuture, on_done)
@@ -483,7 +487,7 @@ class Session:
             self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
             return
         try:
-            messages = pickle.loads(fut.result())
+            chunk, messages = pickle.loads(fut.result())
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
             return
@@ -498,8 +502,20 @@ class Session:
                 problem = ""
             note = f"\n(meanwhile: {problem})" if problem else ""
         with self.lock:
-            for msg in messages:
-                self._handle(rank, msg, note)
+            if chunk is None:  # the session had already ended on that worker
+                for msg in messages:
+                    self._handle(rank, msg, note)
+                return
+            # apply each rank's answers in the order its worker took them (Dask may finish two status tasks of
+            # one rank in either order; a Status applied before the FetchResult it follows would resolve a fetch
+            # without its value)
+            held = self._answers_held[rank]
+            held[chunk] = (messages, note)
+            while self._answers_next[rank] in held:
+                messages, note = held.pop(self._answers_next[rank])
+                self._answers_next[rank] += 1
+                for msg in messages:
+                    self._handle(rank, msg, note)
 
     def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
         """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the

@@ -133,6 +133,8 @@ class TensorWorker:
         self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
         self.inbox = Inbox()
         self.outbox: collections.deque = collections.deque()
+        self._drain_lock = threading.Lock()
+        self._chunks = 0
         self.failure: str | None = None
         self.closed = False
         self._closing = False
@@ -228,14 +230,20 @@ class TensorWorker:
         """Queue a controller message (``RemoteFunctionFailed``, ``FetchResult``, ...) for the next sync task."""
         self.outbox.append(message)
 
-    def drain(self) -> list:
-        out = []
-        pop = self.outbox.popleft
-        while True:
-            try:
-                out.append(pop())
-            except IndexError:
-                return out
+    def drain(self) -> tuple[int, list]:
+        """Take everything in the outbox, numbered: ``(chunk, messages)``. Chunks are numbered 0, 1, ... in the
+        order they were taken, so the controller applies them in outbox order even when the tasks that carry
+        them finish out of order (two status tasks in flight)."""
+        with self._drain_lock:
+            chunk = self._chunks
+            self._chunks += 1
+            out = []
+            pop = self.outbox.popleft
+            while True:
+                try:
+                    out.append(pop())
+                except IndexError:
+                    return chunk, out
 
     def emit_status(self, seq: int, controller: bool = False) -> None:
         self.report(Status(seq + 1, self.actor_id, controller))
