@@ -135,3 +135,49 @@ def test_answers_of_a_rank_apply_in_order_when_their_tasks_finish_out_of_order(c
         assert torch.equal(fa.result(timeout=TIMEOUT), torch.full((3,), 1.0))
     finally:
         mesh.exit()
+
+
+def test_five_threads_attach_compute_and_exit_while_others_fail(client2):
+    """Five controllers on one cluster, in threads, two rounds each: a fatal error in one session and a value
+    error in another change nothing for the others, and every session is gone from the workers afterwards."""
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            for k in range(2):
+                with dm.attach(client2, dims={"workers": 2}, comm_timeout=60) as mesh:
+                    with mesh.activate():
+                        x = dm.remote(fill)(i)
+                    if i == 0 and k == 1:  # a fatal error: this session ends, its exit reports nothing new
+                        s = mesh._session
+                        s.send(CallFunction(s.new_seq(), [None], [], FunctionPath("__test_panic"), ArgsKwargs(),
+                                            DEFAULT_STREAM, []))
+                        with pytest.raises(dm.SessionError, match="__test_panic"):
+                            dm.fetch_shard(x).result(timeout=TIMEOUT)
+                        continue
+                    if i == 1 and k == 0:  # a value error: the session goes on
+                        bad = dm.remote("no_such_module.f", propagate=lambda x: torch.empty(4))(x)
+                        with pytest.raises(dm.RemoteException, match="failed to resolve function"):
+                            dm.fetch_shard(bad).result(timeout=TIMEOUT)
+                    total = dm.fetch_shard(x.reduce("workers", "sum"), workers=1).result(timeout=TIMEOUT)
+                    results[(i, k)] = total
+        except BaseException as e:  # reported below, with the thread
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert {key: value[0].item() for key, value in results.items()} == {
+        (i, k): 2.0 * i for i in range(5) for k in range(2) if (i, k) != (0, 1)
+    }
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        held = client2.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+        if not any(held.values()):
+            break
+        time.sleep(0.2)
+    assert not any(held.values()), held
