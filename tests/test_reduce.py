@@ -222,3 +222,29 @@ def test_collective_timeout_says_it_is_comm_timeout_and_names_the_group(client4)
             mesh.exit()
         except Exception:
             pass
+
+
+def ones_of(dtype_name):
+    return torch.ones(3, dtype=getattr(torch, dtype_name))
+
+
+@pytest.mark.parametrize(
+    "dtype, reduction, text",
+    [
+        ("int64", "avg", r"gloo cannot reduce 'avg' over torch.int64 tensors: avg needs a floating point"),
+        ("bool", "avg", r"gloo cannot reduce 'avg' over torch.bool tensors"),
+        ("float32", "band", r"gloo cannot reduce 'band' over torch.float32 tensors: band needs an integer or bool"),
+        ("complex64", "max", r"gloo cannot reduce 'max' over torch.complex64 tensors: only sum and avg"),
+        ("complex64", "stack", r"gloo cannot reduce 'stack' over torch.complex64 tensors"),
+    ],
+)
+def test_reduction_the_backend_cannot_do_for_a_dtype_is_a_value_error(mesh2x2, x, dtype, reduction, text):
+    """gloo fails these on every rank after the exchange ('result type Float can't be cast...', 'Invalid scalar
+    type'), which failed the whole session. It is the reduce's value error instead, naming the backend
+    (DESIGN.md "Decisions"), and the session goes on."""
+    with mesh2x2.activate():
+        t = dm.remote(ones_of, propagate=lambda d: torch.empty(3, dtype=getattr(torch, d)))(dtype)
+    r = t.reduce("gpu", reduction)
+    with pytest.raises(dm.RemoteException, match=text):
+        fetch(r, host=1, gpu=0)
+    assert torch.equal(fetch(x.reduce("gpu", "sum"), host=0, gpu=0), local_x(0, 0) + local_x(0, 1))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..protocol import Reduction
 from .store import SchedulerStore
 
-__all__ = ["CommError", "Comms", "reduce"]
+__all__ = ["CommError", "Comms", "reduce", "unsupported"]
 
 
 class CommError(RuntimeError):
@@ -169,6 +169,24 @@ def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
                 f"(still busy with earlier work, stopped, or not at this collective): {type(e).__name__}: {e}"
             ) from None
         raise CommError(f"{what} among {among} failed: {type(e).__name__}: {e}") from None
+
+
+_BITWISE = (Reduction.Band, Reduction.Bor, Reduction.Bxor)
+
+
+def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run ``reduction`` over ``dtype`` tensors, or None. Decided from the Reduce's
+    factory, so every rank decides the same and they skip the collective together (gloo itself fails these on
+    every rank only after the exchange, as 'result type Float can't be cast...' or 'Invalid scalar type')."""
+    if reduction in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        why = f"{reduction.value} needs an integer or bool dtype"
+    elif backend == "gloo" and reduction is Reduction.Avg and not (dtype.is_floating_point or dtype.is_complex):
+        why = "avg needs a floating point or complex dtype (reduce with 'sum' and divide, or convert first)"
+    elif backend == "gloo" and dtype.is_complex and reduction not in (Reduction.Sum, Reduction.Avg):
+        why = "only sum and avg are supported for complex tensors"
+    else:
+        return None
+    return f"{backend} cannot reduce {reduction.value!r} over {dtype} tensors: {why}"
 
 
 def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out,

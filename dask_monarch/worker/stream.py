@@ -378,8 +378,13 @@ class StreamWorker:
                 problem = _mismatch(out, _reduce_shape(factory.size, msg.reduction, msg.scatter, size), factory.dtype)
                 if problem is not None:
                     error, out = error or self._reduce_error(msg, dims, f"out {msg.out} {problem}"), None
+        refused = comm.unsupported(self.tw.comms.backend, msg.reduction, factory.dtype)
         try:
-            output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out, self.tw.comms)
+            if refused is not None:  # every rank refuses alike (the factory is the same): nobody waits
+                output = None
+                error = error or self._reduce_error(msg, dims, refused, took_part=False)
+            else:
+                output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out, self.tw.comms)
         except comm.CommError as e:
             try:
                 members = f" among ranks {mesh.get_ranks_for_dim_slice(dims)}"
@@ -395,13 +400,15 @@ class StreamWorker:
             if msg.out is not None:
                 env[msg.out.id] = error
 
-    def _reduce_error(self, msg, dims, problem: str) -> SeqError:
+    def _reduce_error(self, msg, dims, problem: str, took_part: bool = True) -> SeqError:
         """A root failure of ``Reduce`` ``msg``: reported as ``RemoteFunctionFailed{msg.seq}`` when the
         controller gave the seq (raw messages without one only store it)."""
-        text = (
-            f"Reduce over {dims} into {msg.result}: {problem}; every rank must reduce tensors of the shape and "
-            "dtype the controller computed (from the function's propagate), so this rank took part with zeros"
-        )
+        if took_part:
+            problem += (
+                "; every rank must reduce tensors of the shape and dtype the controller computed (from the "
+                "function's propagate), so this rank took part with zeros"
+            )
+        text = f"Reduce over {dims} into {msg.result}: {problem}"
         if msg.seq is None:
             return SeqError(-1, WorkerError(text, self.tw.actor_id))
         return self._root_error(msg.seq, text)
