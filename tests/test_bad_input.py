@@ -241,7 +241,7 @@ def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
 
 # ------------------------------------------------------------------------------------------ attach arguments
 def scheduler_sessions(client) -> dict:
-    return client.sync(client.scheduler.monarch_sessions)
+    return client.sync(client.scheduler.monarch_sessions) or {}  # None before dask_monarch's first attach
 
 
 @pytest.mark.parametrize(
@@ -447,3 +447,33 @@ def test_fetched_value_that_cannot_travel_fails_only_that_fetch(mesh1, client1, 
     with pytest.raises(dm.RemoteException, match=text):
         dm.fetch_shard(y).result(timeout=TIMEOUT)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+def test_attach_that_fails_late_leaves_nothing_behind(client1, monkeypatch):
+    """attach() failing after the session was set up (here: building the mesh object) stops the session's
+    flusher thread on the controller and ends the session on the workers and the scheduler."""
+    import sys
+    import threading
+
+    attach_module = sys.modules["dask_monarch.controller.attach"]
+
+    def broken_mesh(*args, **kwargs):
+        raise RuntimeError("mesh construction failed")
+
+    def flusher_threads():
+        return {t.name for t in threading.enumerate() if t.name.startswith("monarch-flush-") and t.is_alive()}
+
+    before, flushers_before = scheduler_sessions(client1), flusher_threads()
+    monkeypatch.setattr(attach_module, "DeviceMesh", broken_mesh)
+    with pytest.raises(RuntimeError, match="mesh construction failed"):
+        dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    monkeypatch.undo()
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        flushers = sorted(flusher_threads() - flushers_before)
+        held = client1.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+        if not flushers and not any(held.values()):
+            break
+        time.sleep(0.1)
+    assert flushers == [] and not any(held.values()), (flushers, held)
+    assert scheduler_sessions(client1) == before

@@ -8,6 +8,7 @@ several controllers can share a cluster.
 from __future__ import annotations
 
 import math
+import uuid
 
 from distributed import Client
 from distributed.comm import get_address_host_port
@@ -158,16 +159,20 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 raise ValueError(f"workers: duplicate addresses in {workers}")
         if names is None:
             names, sizes = ["workers"], [len(workers)]
-        session = Session(client, workers, comm_timeout=comm_timeout, **session_options)
+        # the scheduler knows the session before any of its messages leaves: if this controller vanishes or
+        # attach fails from here on, ending it there ends it on the workers too
+        session_id = uuid.uuid4().hex
         client.sync(
             client.scheduler.monarch_session_open,
-            session_id=session.id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
+            session_id=session_id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
             callback_timeout=timeout,
         )
         # bounded: exit() must return even when the scheduler no longer answers
         closers.insert(0, lambda: client.sync(
-            client.scheduler.monarch_session_close, session_id=session.id, callback_timeout=Session.PROBE_TIMEOUT
+            client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
         ))
+        session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
+        closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
         mesh._closer = close_all
         return mesh

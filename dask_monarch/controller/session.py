@@ -132,7 +132,8 @@ class Session:
     fetch checks that the mesh's workers are alive; ``heartbeat_timeout`` (seconds) is how long a worker of the
     mesh may go without a heartbeat to the scheduler (a stopped or wedged process: Dask itself waits for its
     worker-ttl, 5 minutes) before the session fails naming it; ``record_answers`` keeps every controller
-    message received in ``answers`` (for tests and debugging).
+    message received in ``answers`` (for tests and debugging); ``session_id`` is the id to use (default: a
+    new uuid; attach registers it with the scheduler first).
 
     Low-level use (tests, tools): ``send(message, ranks)`` queues any ``WorkerMessage``; ``sync(...).result()``
     waits until every rank has applied everything sent before.
@@ -149,11 +150,12 @@ class Session:
         liveness_interval: float = 1.0,
         heartbeat_timeout: float = 30.0,
         record_answers: bool = False,
+        session_id: str | None = None,
     ):
         for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        self.id = uuid.uuid4().hex
+        self.id = session_id or uuid.uuid4().hex
         self.client = client
         self.workers = list(workers)
         self.world_size = len(self.workers)
@@ -601,6 +603,12 @@ class Session:
                     pass
 
     # ------------------------------------------------------------------------------------------------- exit
+    def stop(self) -> None:
+        """Close the session on the controller only: later use raises, the flusher thread ends, nothing more
+        is sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
+        self.closed = True
+        self._wake.set()
+
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
         and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
@@ -615,8 +623,7 @@ class Session:
         except SessionError as e:
             during_exit = e  # a rank failed or went silent while draining: nobody else reports it
         finally:
-            self.closed = True
-            self._wake.set()
+            self.stop()
         if during_exit is not None:
             raise during_exit
         if self.failure is not None and not self._failure_seen:

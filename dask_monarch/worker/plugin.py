@@ -49,7 +49,14 @@ class MonarchWorkerPlugin(WorkerPlugin):
         session here, on a thread, since closing joins the session's threads."""
         tw = self.sessions.get(session_id)
         if tw is None:
-            return
+            # not (or no longer) running here: remember it as ended, so a batch still on its way (the session's
+            # first one, when attach failed right after creating it) cannot start it afterwards
+            with self._lock:
+                tw = self.sessions.get(session_id)
+                if tw is None:
+                    self.closed.setdefault(session_id, reason)
+                    self._trim_closed()
+                    return
 
         def end():
             tw.fail(reason)
@@ -80,8 +87,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
         with self._lock:
             self.sessions.pop(session_id, None)
             self.closed[session_id] = failure
-            while len(self.closed) > _CLOSED_MEMORY:
-                self.closed.pop(next(iter(self.closed)))
+            self._trim_closed()
+
+    def _trim_closed(self) -> None:
+        while len(self.closed) > _CLOSED_MEMORY:
+            self.closed.pop(next(iter(self.closed)))
 
 
 def session_state(session_id: str, dask_worker=None) -> dict:
