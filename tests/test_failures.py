@@ -129,7 +129,7 @@ def test_stopped_worker_during_a_reduce_fails_the_session_naming_it(fresh_client
     is missing within a bound far below both the collective timeout and Dask's worker-ttl (5 minutes), and the
     surviving rank stops waiting in the collective at once instead of at comm_timeout."""
     client = fresh_client2
-    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240, heartbeat_timeout=10)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240, heartbeat_timeout=5)
     session_id = mesh.session_id
     x = dm.remote(torch.add)(mesh.rank("dp"), 1)
     assert dm.inspect(x.reduce("dp", "sum")).item() == 3  # the communicators exist: the stop hits a collective
