@@ -257,6 +257,12 @@ def scheduler_sessions(client) -> dict:
         (dict(dims={"dp": 1}, comm_timeout="60"), ValueError, "comm_timeout must be a positive number"),
         (dict(dims={"dp": 1}, timeout=None), ValueError, "timeout must be a positive number of seconds, got None"),
         (dict(dims={"dp": 1}, timeout=float("inf")), ValueError, "timeout must be a positive number"),
+        (dict(dims={"dp": 1}, heartbeat_timeout=0), ValueError, "heartbeat_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, liveness_interval=-1), ValueError, "liveness_interval must be a positive number"),
+        (dict(dims={"dp": 1}, flush_interval=-1), ValueError, "flush_interval must be a non-negative number"),
+        (dict(dims={"dp": 1}, max_batch=0), ValueError, "max_batch must be a positive int, got 0"),
+        (dict(dims={"dp": 1}, max_batch=2.5), ValueError, "max_batch must be a positive int"),
+        (dict(dims={"dp": 1}, bogus=1), TypeError, "unexpected keyword argument 'bogus'"),
     ],
 )
 def test_attach_rejects_bad_arguments_naming_them(client1, kwargs, error, text):

@@ -181,3 +181,28 @@ def test_five_threads_attach_compute_and_exit_while_others_fail(client2):
             break
         time.sleep(0.2)
     assert not any(held.values()), held
+
+
+def test_exit_from_several_threads_at_once_is_quiet(client2):
+    """An atexit hook and a with-block, say, both calling mesh.exit(): one exit drains and ends the session,
+    the others wait for it; nobody gets an error."""
+    for _ in range(3):
+        mesh = dm.attach(client2, dims={"workers": 2}, comm_timeout=60)
+        with mesh.activate():
+            x = dm.remote(fill)(1)
+        assert torch.equal(dm.inspect(x), torch.full((4,), 1.0))
+        outcomes = []
+
+        def exit_mesh():
+            try:
+                mesh.exit()
+                outcomes.append("ok")
+            except BaseException as e:  # reported by the assertion below
+                outcomes.append(repr(e))
+
+        threads = [threading.Thread(target=exit_mesh) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert outcomes == ["ok"] * 3

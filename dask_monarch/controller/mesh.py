@@ -164,8 +164,7 @@ class DeviceMesh:
         try:
             self._session.close(timeout=timeout)
         finally:
-            closer = getattr(self, "_closer", None)
-            self._closer = None
+            closer = self.__dict__.pop("_closer", None)  # atomic: exit() from several threads closes once
             if closer is not None:
                 closer()
 

@@ -155,6 +155,12 @@ class Session:
         for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(flush_interval, bool) or not isinstance(flush_interval, (int, float)) or not (
+            0 <= flush_interval < math.inf
+        ):
+            raise ValueError(f"flush_interval must be a non-negative number of seconds, got {flush_interval!r}")
+        if type(max_batch) is not int or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         self.id = session_id or uuid.uuid4().hex
         self.client = client
         self.workers = list(workers)
@@ -191,6 +197,7 @@ class Session:
         self._splits: set = set()
         self._key = self.id[:8]
         self._wake = threading.Event()
+        self._close_lock = threading.Lock()
         self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
         self._flusher.start()
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
@@ -614,8 +621,12 @@ class Session:
         and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
         if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
         included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
-        if self.closed:
-            return
+        with self._close_lock:  # a second exit (another thread) waits for the first, then returns
+            if self.closed:
+                return
+            self._close(timeout)
+
+    def _close(self, timeout: float) -> None:
         during_exit = None
         try:
             if self.failure is None:
