@@ -6,6 +6,12 @@ Clusters are module-scoped to keep the suite fast; every test gets its own contr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 from distributed import Client, LocalCluster
 
@@ -53,6 +59,45 @@ def mesh2x2(client4):
     mesh = dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=60, record_answers=True)
     yield mesh
     mesh._session.closed or _quiet_exit(mesh)
+
+
+@pytest.fixture
+def cli_cluster_procs(tmp_path):
+    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines: yields
+    the scheduler address and the processes (scheduler first), so a test can signal them."""
+    scheduler_file = tmp_path / "scheduler.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    bindir = os.path.dirname(sys.executable)
+    procs = [subprocess.Popen(
+        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--dashboard-address", ":0",
+         "--scheduler-file", str(scheduler_file)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            procs.append(subprocess.Popen(
+                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        yield address, procs
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def cli_cluster(cli_cluster_procs):
+    """The scheduler address of ``cli_cluster_procs``."""
+    return cli_cluster_procs[0]
 
 
 def _quiet_exit(mesh) -> None:

@@ -237,3 +237,249 @@ def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
             dm.fetch_shard(result).result(timeout=TIMEOUT)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
     assert_cluster_serves(client1)
+
+
+# ------------------------------------------------------------------------------------------ attach arguments
+def scheduler_sessions(client) -> dict:
+    return client.sync(client.scheduler.monarch_sessions) or {}  # None before dask_monarch's first attach
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(workers=[]), ValueError, "workers: give at least one"),
+        (dict(workers="tcp://127.0.0.1:1"), TypeError, "workers must be a list"),
+        (dict(workers=[1]), TypeError, "workers must be Dask worker addresses"),
+        (dict(dims="dp"), TypeError, "dims must be a mapping"),
+        (dict(dims=3), TypeError, "dims must be a mapping"),
+        (dict(dims={"dp": 1}, comm_timeout=0), ValueError, "comm_timeout must be a positive number of seconds, got 0"),
+        (dict(dims={"dp": 1}, comm_timeout=-5), ValueError, "comm_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, comm_timeout="60"), ValueError, "comm_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, timeout=None), ValueError, "timeout must be a positive number of seconds, got None"),
+        (dict(dims={"dp": 1}, timeout=float("inf")), ValueError, "timeout must be a positive number"),
+        (dict(dims={"dp": 1}, heartbeat_timeout=0), ValueError, "heartbeat_timeout must be a positive number"),
+        (dict(dims={"dp": 1}, liveness_interval=-1), ValueError, "liveness_interval must be a positive number"),
+        (dict(dims={"dp": 1}, flush_interval=-1), ValueError, "flush_interval must be a non-negative number"),
+        (dict(dims={"dp": 1}, max_batch=0), ValueError, "max_batch must be a positive int, got 0"),
+        (dict(dims={"dp": 1}, max_batch=2.5), ValueError, "max_batch must be a positive int"),
+        (dict(dims={"dp": 1}, bogus=1), TypeError, "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_attach_rejects_bad_arguments_naming_them(client1, kwargs, error, text):
+    before = scheduler_sessions(client1)
+    with pytest.raises(error, match=text):
+        dm.attach(client1, **kwargs)
+    assert scheduler_sessions(client1) == before  # nothing was started
+
+
+def test_attach_with_more_ranks_than_workers_times_out_naming_the_dims(client1):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"dims \{'dp': 3\} need 3 workers, but the cluster has 1"):
+        dm.attach(client1, dims={"dp": 3}, timeout=2)
+    assert time.monotonic() - start < 30
+    assert_cluster_serves(client1)
+
+
+# ------------------------------------------------------------------------------------- tensors of two sessions
+def add_vectors(a, b):
+    return a + b
+
+
+def test_tensors_of_another_session_are_rejected(client1):
+    """Two sessions on the same workers have the same rank lists and reuse the same ref ids: a tensor of one
+    must never be sent to the other, where its ref names a different value."""
+    a = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    b = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    try:
+        with a.activate():
+            xa = dm.remote(make_values)(3)
+            pad = dm.remote(make_values)(3)  # so that xb's ref id names a live tensor of session a
+        with b.activate():
+            xb = dm.remote(make_values)(3)
+        assert xb.ref == pad.ref or xb.ref == xa.ref
+        same_shape = dict(propagate=lambda x, y: torch.empty(3))
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(add_vectors, **same_shape)(xa, xb)
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(add_vectors, **same_shape)(xa, b)  # a mesh of session b as an argument
+        with b.activate(), pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.remote(make_values)(a)  # session b is active, the mesh argument belongs to session a
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            dm.fetch_shard([xa, xb])
+        with pytest.raises(TypeError, match="WRONG_MESH.*another session"):
+            xa.reduce("workers", "sum", out=xb)
+        # both sessions are untouched
+        assert torch.equal(dm.fetch_shard(xa).result(timeout=TIMEOUT), make_values(3))
+        assert torch.equal(dm.fetch_shard(xb).result(timeout=TIMEOUT), make_values(3))
+    finally:
+        a.exit()
+        b.exit()
+
+
+# ------------------------------------------------------------------------------- remote functions that raise
+class CustomBaseException(BaseException):
+    pass
+
+
+def raise_keyboard_interrupt(x):
+    raise KeyboardInterrupt("pressed in a remote function")
+
+
+def raise_system_exit(x):
+    raise SystemExit(3)
+
+
+def raise_custom_base_exception(x):
+    raise CustomBaseException("not an Exception subclass")
+
+
+@pytest.mark.parametrize(
+    "fn, text",
+    [
+        (raise_keyboard_interrupt, "KeyboardInterrupt: pressed in a remote function"),
+        (raise_system_exit, "SystemExit: 3"),
+        (raise_custom_base_exception, "CustomBaseException: not an Exception subclass"),
+    ],
+)
+def test_remote_function_raising_a_base_exception_is_a_value_error(mesh1, client1, worker_pids, fn, text):
+    """Like any Python error of a remote function (spec §2 CallFunction): the results carry it, the session and
+    every other ref live on."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    bad = dm.remote(fn, propagate=lambda x: torch.empty(3))(x)
+    with pytest.raises(dm.RemoteException, match=text):
+        dm.fetch_shard(bad).result(timeout=TIMEOUT)
+    with pytest.raises(dm.RemoteException, match=text):  # a dependent carries the same error
+        dm.fetch_shard(dm.remote(torch.clone)(bad)).result(timeout=TIMEOUT)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+# ------------------------------------------------------------------------------------ arguments that don't travel
+def add_one(x, extra):
+    return x + 1
+
+
+def _cannot_load(reason):
+    raise ModuleNotFoundError(reason)
+
+
+class NotOnTheWorkers:
+    """Pickles fine on the controller, but cannot be unpickled on the workers (as an object of a module that only
+    the controller has)."""
+
+    def __reduce__(self):
+        return (_cannot_load, ("No module named 'only_on_the_controller'",))
+
+
+def test_unpicklable_argument_raises_at_the_call_naming_it(mesh1, client1, worker_pids):
+    import threading
+
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    with pytest.raises(TypeError, match=r"add_one: an argument of type lock cannot be pickled"):
+        dm.remote(add_one, propagate=lambda x, e: torch.empty(3))(x, threading.Lock())
+    with pytest.raises(TypeError, match=r"fetch_shard: an argument of type lock cannot be pickled"):
+        dm.fetch_shard({"x": x, "lock": threading.Lock()})
+    # nothing was sent: the session and x live on
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    assert dm.fetch_shard({"x": x, "n": 5}).result(timeout=TIMEOUT)["n"] == 5
+
+
+def test_argument_that_cannot_be_unpickled_on_the_worker_is_a_value_error(mesh1, client1, worker_pids):
+    """Spec §2 CallFunction step 1: unpickling the arguments is part of the call, so its failure is the call's
+    value error; the session and the other refs live on."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    y = dm.remote(add_one, propagate=lambda x, e: torch.empty(3))(x, NotOnTheWorkers())
+    with pytest.raises(dm.RemoteException, match="only_on_the_controller") as info:
+        dm.fetch_shard(y).result(timeout=TIMEOUT)
+    assert "NotOnTheWorkers" in str(info.value)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+    assert torch.equal(dm.fetch_shard(dm.remote(add_one)(x, 7)).result(timeout=TIMEOUT), make_values(3) + 1)
+
+
+# ----------------------------------------------------------------------------------------- fetch coordinates
+def test_fetch_coordinates_must_be_ints_and_numpy_ints_are_ints(mesh1):
+    import numpy as np
+
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    assert torch.equal(dm.fetch_shard(x, workers=np.int64(0)).result(timeout=TIMEOUT), make_values(3))
+    for bad in ("0", 0.0, True, None):
+        with pytest.raises(TypeError, match=rf"fetch_shard: coordinate workers={bad!r} must be an int"):
+            dm.fetch_shard(x, workers=bad)
+    with pytest.raises(IndexError, match="fetch_shard: coordinate workers=1 out of range for size 1"):
+        dm.fetch_shard(x, workers=1)
+    with pytest.raises(TypeError, match=r"fetch_shard: shard must be a dict of dimension -> coordinate, got \[0\]"):
+        dm.fetch_shard(x, [0])
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+def test_remote_rejects_what_it_cannot_call_when_it_is_made():
+    with pytest.raises(TypeError, match="remote\\(\\) needs a callable or a dotted path, got int"):
+        dm.remote(5)
+    with pytest.raises(ValueError, match="remote function paths must be fully qualified, got 'nodot'"):
+        dm.remote("nodot")
+
+
+# --------------------------------------------------------------------------------- fetched values that don't travel
+def return_a_lock(x):
+    import threading
+
+    return threading.Lock()
+
+
+def return_an_object_only_the_workers_can_load(x):
+    class OnlyOnTheWorkers:
+        def __reduce__(self):
+            return (_cannot_load, ("No module named 'only_on_the_workers'",))
+
+    return OnlyOnTheWorkers()
+
+
+@pytest.mark.parametrize(
+    "fn, text",
+    [
+        (return_a_lock, r"the fetched value of type lock cannot be pickled"),
+        (return_an_object_only_the_workers_can_load,
+         r"the fetched value of type .*OnlyOnTheWorkers could not be unpickled on the controller: "
+         r"ModuleNotFoundError: No module named 'only_on_the_workers'"),
+    ],
+)
+def test_fetched_value_that_cannot_travel_fails_only_that_fetch(mesh1, client1, worker_pids, fn, text):
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    y = dm.remote(fn, propagate=lambda x: torch.empty(3))(x)
+    with pytest.raises(dm.RemoteException, match=text):
+        dm.fetch_shard(y).result(timeout=TIMEOUT)
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
+def test_attach_that_fails_late_leaves_nothing_behind(client1, monkeypatch):
+    """attach() failing after the session was set up (here: building the mesh object) stops the session's
+    flusher thread on the controller and ends the session on the workers and the scheduler."""
+    import sys
+    import threading
+
+    attach_module = sys.modules["dask_monarch.controller.attach"]
+
+    def broken_mesh(*args, **kwargs):
+        raise RuntimeError("mesh construction failed")
+
+    def flusher_threads():
+        return {t.name for t in threading.enumerate() if t.name.startswith("monarch-flush-") and t.is_alive()}
+
+    before, flushers_before = scheduler_sessions(client1), flusher_threads()
+    monkeypatch.setattr(attach_module, "DeviceMesh", broken_mesh)
+    with pytest.raises(RuntimeError, match="mesh construction failed"):
+        dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    monkeypatch.undo()
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        flushers = sorted(flusher_threads() - flushers_before)
+        held = client1.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+        if not flushers and not any(held.values()):
+            break
+        time.sleep(0.1)
+    assert flushers == [] and not any(held.values()), (flushers, held)
+    assert scheduler_sessions(client1) == before

@@ -27,8 +27,28 @@ def pid():
     return os.getpid()
 
 
-def sessions_on_workers(client):
-    return client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+def sessions_on_workers(client, workers=None):
+    return client.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions), workers=workers)
+
+
+def session_threads(client, session_id, workers=None):
+    """Per worker: the names of the session's threads still alive there."""
+
+    def probe():
+        import threading
+
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-"))
+
+    return client.run(probe, workers=workers)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 @pytest.fixture
@@ -79,3 +99,145 @@ def test_controller_that_disappears_leaves_no_session(fresh_client2):
     assert not any(sessions_on_workers(client).values())
     sessions = client.sync(client.scheduler.monarch_sessions)
     assert sessions == {}
+
+
+def test_fetch_timeout_with_a_stopped_worker_is_honoured_and_names_the_worker(fresh_client2):
+    """A SIGSTOPped worker is still in the cluster (its heartbeats just stop) and answers nothing. The fetch's
+    TimeoutError comes after about its timeout, naming the rank that did not answer, instead of waiting on that
+    worker to describe its state."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    victim = mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as info:
+            dm.fetch_shard(x).result(timeout=3)
+        assert time.monotonic() - start < 20
+        text = str(info.value)
+        assert f"rank 1 ({victim})" in text
+        assert "did not answer within" in text
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    mesh.exit()
+
+
+def test_stopped_worker_during_a_reduce_fails_the_session_naming_it(fresh_client2):
+    """spec/dask-notes.md §6 #9: stall one rank (SIGSTOP) during an all-reduce; the controller reports which rank
+    is missing within a bound far below both the collective timeout and Dask's worker-ttl (5 minutes), and the
+    surviving rank stops waiting in the collective at once instead of at comm_timeout."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240, heartbeat_timeout=5)
+    session_id = mesh.session_id
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.inspect(x.reduce("dp", "sum")).item() == 3  # the communicators exist: the stop hits a collective
+    survivor, victim = mesh.workers[0], mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    total = dm.remote(slow_add)(x).reduce("dp", "sum")
+    future = dm.fetch_shard(total)
+    time.sleep(1)  # both ranks are in slow_add; rank 0 goes on into the all-reduce
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat") as info:
+            future.result(timeout=200)
+        assert time.monotonic() - start < 90, info.value
+        mesh.exit()  # already reported: exit cleans up without raising
+        # the survivor was blocked in the all-reduce with the stopped rank: it lets go now, not at comm_timeout
+        assert wait_until(lambda: not session_threads(client, session_id, [survivor])[survivor], 60), \
+            session_threads(client, session_id, [survivor])
+        assert sessions_on_workers(client, [survivor])[survivor] == []
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    # once resumed, the stopped worker ends the session too, and the cluster serves a new session
+    assert wait_until(lambda: not any(session_threads(client, session_id).values()), 60)
+    with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
+        assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+
+
+def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanishes(fresh_client2, tmp_path):
+    """A controller killed mid-run: the call running on the workers finishes (a Python thread cannot be
+    interrupted), but nothing queued behind it runs any more, and the session is freed."""
+    client = fresh_client2
+    marker = tmp_path / "ran"
+    script = textwrap.dedent(f"""
+        import os, time, torch, dask_monarch as dm
+
+        def slow(r):
+            time.sleep(4)
+            return torch.ones(2)
+
+        def leave_mark(x, r):
+            open({str(marker)!r} + str(int(r)), "w").close()
+            return x
+
+        mesh = dm.attach({client.scheduler.address!r}, dims={{"dp": 2}}, comm_timeout=60)
+        r = mesh.rank("dp")
+        print(dm.inspect(r), flush=True)
+        y = dm.remote(slow, propagate=lambda r: torch.empty(2))(r)
+        y = dm.remote(leave_mark, propagate=lambda x, r: torch.empty(2))(y, r)
+        mesh._session.flush()
+        time.sleep(2)  # both ranks are inside slow()
+        print("sent", flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["tensor(0)", "sent"], out.stderr
+    assert wait_until(lambda: not any(sessions_on_workers(client).values()), 30)
+    time.sleep(4)  # slow() has returned on both ranks by now (it was entered more than 2 s before the exit)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert client.sync(client.scheduler.monarch_sessions) == {}
+
+
+def test_exit_returns_when_the_scheduler_stops_answering(cli_cluster_procs):
+    """A stopped (SIGSTOP) scheduler: the waiting fetch fails within a bound (heartbeat_timeout, as for a silent
+    worker) naming the scheduler, and mesh.exit() then returns instead of waiting forever to unregister the
+    session."""
+    address, procs = cli_cluster_procs
+    mesh = dm.attach(address, dims={"dp": 2}, comm_timeout=60, timeout=90, heartbeat_timeout=5)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    scheduler = procs[0]
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match="the Dask scheduler is unreachable"):
+            dm.fetch_shard(x).result(timeout=120)
+        mesh.exit(timeout=10)
+        assert time.monotonic() - start < 60
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+
+
+def test_restarting_the_cluster_fails_the_session_saying_so(fresh_client2):
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(slow_add)(dm.remote(torch.add)(mesh.rank("dp"), 1))
+    future = dm.fetch_shard(x)
+    time.sleep(1)
+    client.restart(timeout=60)
+    with pytest.raises(dm.SessionError, match="cancelled"):
+        future.result(timeout=60)
+    mesh.exit()
+
+
+def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
+    """mesh.exit() waits for every rank to drain; a rank that never answers is reported by exit itself."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=5)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+    victim = mesh.workers[1]
+    victim_pid = client.run(pid)[victim]
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat"):
+            mesh.exit(timeout=120)
+        assert time.monotonic() - start < 60
+        mesh.exit()  # reported once: a second exit is quiet
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)

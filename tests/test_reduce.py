@@ -3,6 +3,8 @@ reduce, reduce_out; spec §1 ``t.reduce``; spec §5 table), through gloo."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -189,3 +191,91 @@ def test_integer_bitwise_reductions(mesh2x2):
     assert fetch(bits.reduce((), "bor"), host=0, gpu=0).item() == 0b1111
     assert fetch(bits.reduce((), "band"), host=0, gpu=0).item() == 0
     assert fetch(bits.reduce("gpu", "bxor"), host=1, gpu=0).item() == 0b1100
+
+
+def rank_dependent_shape(h, g):
+    return torch.ones(3 + int(g))  # gpu 1 holds 4 elements where the controller expects 3
+
+
+def rank_dependent_dtype(h, g):
+    return torch.ones(3, dtype=torch.float32 if int(g) == 0 else torch.float64)
+
+
+def rank_dependent_type(h, g):
+    return torch.ones(3) if int(g) == 0 else "not a tensor"
+
+
+@pytest.mark.parametrize(
+    "make, text",
+    [
+        (rank_dependent_shape, r"has shape \[4\] and dtype torch.float32, but the controller expects shape \[3\]"),
+        (rank_dependent_dtype, r"dtype torch.float64, but the controller expects shape \[3\] and dtype torch.float32"),
+        (rank_dependent_type, r"is a str, not a tensor"),
+    ],
+)
+def test_reduce_of_inputs_that_differ_across_ranks_is_a_clear_error_not_a_hang(mesh2x2, x, make, text):
+    """gloo would wait for the peers until comm_timeout (60 s here) and then fail the session; instead the rank
+    whose input does not match the controller's shape takes part with zeros, so nobody waits, and every rank's
+    result carries the error (DESIGN.md "Decisions", as for an errored input)."""
+    bad = dm.remote(make, propagate=lambda h, g: torch.empty(3))(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    start = time.monotonic()
+    r = bad.reduce("gpu", "sum")
+    for h, g in ((0, 0), (1, 1)):
+        with pytest.raises(dm.RemoteException, match=text) as info:
+            fetch(r, host=h, gpu=g)
+        assert "reduce(sum over ('gpu',))" in str(info.value)
+        assert info.value.rank in (1, 3)  # a rank with gpu=1 reported it
+    assert time.monotonic() - start < 30
+    # refs not involved stay valid, and the communicator still works
+    assert torch.equal(fetch(x, host=1, gpu=1), local_x(1, 1))
+    assert torch.equal(fetch(x.reduce("gpu", "sum"), host=0, gpu=0), local_x(0, 0) + local_x(0, 1))
+
+
+def busy_on_gpu_1(h, g):
+    if int(g) == 1:
+        time.sleep(12)
+    return torch.ones(3)
+
+
+def test_collective_timeout_says_it_is_comm_timeout_and_names_the_group(client4):
+    """A peer that reaches the collective too late (here: busy in a long call) fails the session with an error
+    that names the knob (comm_timeout) and the group's ranks, not only gloo's 'Timed out waiting ... recv'."""
+    mesh = dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=4)
+    try:
+        h, g = mesh.rank("host"), mesh.rank("gpu")
+        assert fetch(dm.remote(make_x)(h, g).reduce("gpu"), host=0, gpu=0).shape == (3, 4)  # comms are built
+        late = dm.remote(busy_on_gpu_1, propagate=lambda h, g: torch.empty(3))(h, g).reduce("gpu")
+        with pytest.raises(dm.SessionError, match=r"all-reduce did not complete within comm_timeout=4 s") as info:
+            fetch(late, host=0, gpu=0)
+        assert "among ranks [0, 1]" in str(info.value) or "among ranks [2, 3]" in str(info.value)
+    finally:
+        try:
+            mesh.exit()
+        except Exception:
+            pass
+
+
+def ones_of(dtype_name):
+    return torch.ones(3, dtype=getattr(torch, dtype_name))
+
+
+@pytest.mark.parametrize(
+    "dtype, reduction, text",
+    [
+        ("int64", "avg", r"gloo cannot reduce 'avg' over torch.int64 tensors: avg needs a floating point"),
+        ("bool", "avg", r"gloo cannot reduce 'avg' over torch.bool tensors"),
+        ("float32", "band", r"gloo cannot reduce 'band' over torch.float32 tensors: band needs an integer or bool"),
+        ("complex64", "max", r"gloo cannot reduce 'max' over torch.complex64 tensors: only sum and avg"),
+        ("complex64", "stack", r"gloo cannot reduce 'stack' over torch.complex64 tensors"),
+    ],
+)
+def test_reduction_the_backend_cannot_do_for_a_dtype_is_a_value_error(mesh2x2, x, dtype, reduction, text):
+    """gloo fails these on every rank after the exchange ('result type Float can't be cast...', 'Invalid scalar
+    type'), which failed the whole session. It is the reduce's value error instead, naming the backend
+    (DESIGN.md "Decisions"), and the session goes on."""
+    with mesh2x2.activate():
+        t = dm.remote(ones_of, propagate=lambda d: torch.empty(3, dtype=getattr(torch, d)))(dtype)
+    r = t.reduce("gpu", reduction)
+    with pytest.raises(dm.RemoteException, match=text):
+        fetch(r, host=1, gpu=0)
+    assert torch.equal(fetch(x.reduce("gpu", "sum"), host=0, gpu=0), local_x(0, 0) + local_x(0, 1))

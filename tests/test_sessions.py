@@ -4,10 +4,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -93,41 +89,120 @@ def test_two_sessions_from_two_threads(client2):
     assert torch.equal(results[5], torch.full((4,), 10.0))
 
 
-@pytest.fixture
-def cli_cluster(tmp_path):
-    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines."""
-    scheduler_file = tmp_path / "scheduler.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    bindir = os.path.dirname(sys.executable)
-    procs = [subprocess.Popen(
-        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--dashboard-address", ":0",
-         "--scheduler-file", str(scheduler_file)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )]
-    try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for _ in range(2):
-            procs.append(subprocess.Popen(
-                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
-        yield address
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def test_attach_to_command_line_cluster(cli_cluster):
     with dm.attach(cli_cluster, dims={"dp": 2}, comm_timeout=60, timeout=90) as mesh:
         assert sorted(mesh.workers.values()) == list(mesh.workers.values())  # ranks sorted by host, then port
         x = dm.remote(torch.add)(mesh.rank("dp"), 1)
         s = x.reduce("dp", "sum")
         assert dm.fetch_shard(s, dp=1).result(timeout=TIMEOUT).item() == 3  # (0 + 1) + (1 + 1)
+
+
+def make_filled(n, value):
+    return torch.full((n,), float(value))
+
+
+def test_answers_of_a_rank_apply_in_order_when_their_tasks_finish_out_of_order(client1):
+    """Two fetches in flight: Dask may hand the controller the second status task's answers (Status past both
+    fetches) before the first's (the first fetch's FetchResult), e.g. when several threads fetch at once. The
+    first fetch must still get its value, not 'answered Status but no FetchResult' (spec §3: a future resolves
+    once every rank's answers up to its Status are in)."""
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    try:
+        session = mesh._session
+        with mesh.activate():
+            a = dm.remote(make_filled)(3, 1)
+            b = dm.remote(make_filled)(4, 2)
+        real = session._on_sync_done
+        held = []
+
+        def first_one_late(fut):
+            if not held and not getattr(first_one_late, "done", False):
+                held.append(fut)  # the first status task's answers are delivered after the second's
+                return
+            first_one_late.done = True
+            real(fut)
+            while held:
+                real(held.pop())
+
+        session._on_sync_done = first_one_late
+        fa = dm.fetch_shard(a)
+        deadline = time.monotonic() + TIMEOUT
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held, "the first status task did not finish"
+        fb = dm.fetch_shard(b)
+        assert torch.equal(fb.result(timeout=TIMEOUT), torch.full((4,), 2.0))
+        assert torch.equal(fa.result(timeout=TIMEOUT), torch.full((3,), 1.0))
+    finally:
+        mesh.exit()
+
+
+def test_five_threads_attach_compute_and_exit_while_others_fail(client2):
+    """Five controllers on one cluster, in threads, two rounds each: a fatal error in one session and a value
+    error in another change nothing for the others, and every session is gone from the workers afterwards."""
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            for k in range(2):
+                with dm.attach(client2, dims={"workers": 2}, comm_timeout=60) as mesh:
+                    with mesh.activate():
+                        x = dm.remote(fill)(i)
+                    if i == 0 and k == 1:  # a fatal error: this session ends, its exit reports nothing new
+                        s = mesh._session
+                        s.send(CallFunction(s.new_seq(), [None], [], FunctionPath("__test_panic"), ArgsKwargs(),
+                                            DEFAULT_STREAM, []))
+                        with pytest.raises(dm.SessionError, match="__test_panic"):
+                            dm.fetch_shard(x).result(timeout=TIMEOUT)
+                        continue
+                    if i == 1 and k == 0:  # a value error: the session goes on
+                        bad = dm.remote("no_such_module.f", propagate=lambda x: torch.empty(4))(x)
+                        with pytest.raises(dm.RemoteException, match="failed to resolve function"):
+                            dm.fetch_shard(bad).result(timeout=TIMEOUT)
+                    total = dm.fetch_shard(x.reduce("workers", "sum"), workers=1).result(timeout=TIMEOUT)
+                    results[(i, k)] = total
+        except BaseException as e:  # reported below, with the thread
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert {key: value[0].item() for key, value in results.items()} == {
+        (i, k): 2.0 * i for i in range(5) for k in range(2) if (i, k) != (0, 1)
+    }
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        held = client2.run(lambda dask_worker: sorted(dask_worker.plugins["dask-monarch"].sessions))
+        if not any(held.values()):
+            break
+        time.sleep(0.2)
+    assert not any(held.values()), held
+
+
+def test_exit_from_several_threads_at_once_is_quiet(client2):
+    """An atexit hook and a with-block, say, both calling mesh.exit(): one exit drains and ends the session,
+    the others wait for it; nobody gets an error."""
+    for _ in range(3):
+        mesh = dm.attach(client2, dims={"workers": 2}, comm_timeout=60)
+        with mesh.activate():
+            x = dm.remote(fill)(1)
+        assert torch.equal(dm.inspect(x), torch.full((4,), 1.0))
+        outcomes = []
+
+        def exit_mesh():
+            try:
+                mesh.exit()
+                outcomes.append("ok")
+            except BaseException as e:  # reported by the assertion below
+                outcomes.append(repr(e))
+
+        threads = [threading.Thread(target=exit_mesh) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert outcomes == ["ok"] * 3

@@ -8,6 +8,7 @@ several controllers can share a cluster.
 from __future__ import annotations
 
 import math
+import uuid
 
 from distributed import Client
 from distributed.comm import get_address_host_port
@@ -31,8 +32,16 @@ def _sort_key(address: str):
 
 
 def _check_dims(dims) -> tuple[list, list]:
+    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise TypeError(f"dims must be a mapping of dimension names to sizes, e.g. {{'dp': 2}}, got {dims!r}")
+    try:
+        items = dict(dims).items()
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"dims must be a mapping of dimension names to sizes, e.g. {{'dp': 2}}, got {dims!r}"
+        ) from None
     names, sizes = [], []
-    for name, size in dict(dims).items():
+    for name, size in items:
         if not isinstance(name, str) or not name:
             raise ValueError(f"dims: dimension names must be non-empty strings, got {name!r}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -42,6 +51,25 @@ def _check_dims(dims) -> tuple[list, list]:
     if not names:
         raise ValueError("dims: give at least one dimension, e.g. {'workers': 2}")
     return names, sizes
+
+
+def _check_seconds(name: str, value) -> float:
+    """A positive, finite number of seconds; every wait of a session is bounded by one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_workers(workers) -> list:
+    if isinstance(workers, (str, bytes)) or not hasattr(workers, "__iter__"):
+        raise TypeError(f"workers must be a list of Dask worker addresses, got {workers!r}")
+    workers = list(workers)
+    if not workers:
+        raise ValueError("workers: give at least one Dask worker address (or leave workers out to use them all)")
+    bad = [w for w in workers if not isinstance(w, str)]
+    if bad:
+        raise TypeError(f"workers must be Dask worker addresses (strings), got {bad!r}")
+    return workers
 
 
 def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
@@ -55,14 +83,19 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
     worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``timeout`` (seconds) bounds
-    waiting for enough workers.
+    waiting for enough workers. Other keyword arguments go to ``Session``, e.g. ``heartbeat_timeout`` (seconds,
+    default 30): a mesh worker silent that long (stopped, hung) fails the session, naming it.
 
-    Raises ``ValueError`` for bad ``dims``/``workers`` (naming them), ``TimeoutError`` if too few workers join in
-    time, and ``RuntimeError`` if the scheduler cannot import dask_monarch.
+    Raises ``ValueError``/``TypeError`` for bad ``dims``/``workers``/timeouts (naming them), ``TimeoutError`` if
+    too few workers join in time, and ``RuntimeError`` if the scheduler cannot import dask_monarch.
     """
     names = sizes = None
     if dims is not None:
         names, sizes = _check_dims(dims)
+    comm_timeout = _check_seconds("comm_timeout", comm_timeout)
+    timeout = _check_seconds("timeout", timeout)
+    if workers is not None:
+        workers = _check_workers(workers)
     want = math.prod(sizes) if sizes else (len(workers) if workers else None)
     if workers is not None and sizes is not None and len(workers) != want:
         raise ValueError(f"workers: {len(workers)} addresses given but dims {dict(dims)} need {want}")
@@ -85,7 +118,7 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     else:
         raise TypeError(f"cluster must be a distributed.Client, a scheduler address or None, got {type(cluster).__name__}")
     if owns_client:
-        closers.insert(0, client.close)
+        closers.insert(0, lambda: client.close(timeout=timeout))
 
     def close_all():
         for close in closers:
@@ -105,13 +138,19 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
         client.register_plugin(MonarchWorkerPlugin())
         if workers is None:
             if want:
-                client.wait_for_workers(want, timeout=timeout)
+                try:
+                    client.wait_for_workers(want, timeout=timeout)
+                except TimeoutError:
+                    have = len(client.scheduler_info()["workers"])
+                    raise TimeoutError(
+                        f"dims {dict(zip(names, sizes))} need {want} workers, but the cluster has {have} "
+                        f"after waiting {timeout:g} s (timeout=)"
+                    ) from None
             available = sorted(client.scheduler_info()["workers"], key=_sort_key)
             if not available:
                 raise ValueError("the cluster has no workers")
             workers = available[: want or len(available)]
         else:
-            workers = list(workers)
             known = set(client.scheduler_info()["workers"])
             unknown = [w for w in workers if w not in known]
             if unknown:
@@ -120,12 +159,20 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 raise ValueError(f"workers: duplicate addresses in {workers}")
         if names is None:
             names, sizes = ["workers"], [len(workers)]
-        session = Session(client, workers, comm_timeout=comm_timeout, **session_options)
+        # the scheduler knows the session before any of its messages leaves: if this controller vanishes or
+        # attach fails from here on, ending it there ends it on the workers too
+        session_id = uuid.uuid4().hex
         client.sync(
             client.scheduler.monarch_session_open,
-            session_id=session.id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
+            session_id=session_id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,
+            callback_timeout=timeout,
         )
-        closers.insert(0, lambda: client.sync(client.scheduler.monarch_session_close, session_id=session.id))
+        # bounded: exit() must return even when the scheduler no longer answers
+        closers.insert(0, lambda: client.sync(
+            client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
+        ))
+        session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
+        closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
         mesh._closer = close_all
         return mesh

@@ -7,12 +7,15 @@ arrive on CPU. A value that depends on a failed invocation raises ``RemoteExcept
 
 from __future__ import annotations
 
-from torch.utils._pytree import tree_flatten
+import operator
+
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..exceptions import RemoteException
 from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
 from .mesh import DeviceMesh
+from .remote import pack_leaves
 from .session import DEFAULT_STREAM, MonarchFuture
 from .tensor import Tensor
 
@@ -42,7 +45,13 @@ def _rank_of(mesh: DeviceMesh, coords: dict) -> int:
     index = []
     for name, size in zip(mesh.names, mesh.processes.sizes):
         c = coords[name]
-        if not isinstance(c, int) or not 0 <= c < size:
+        try:
+            if isinstance(c, bool):
+                raise TypeError
+            c = operator.index(c)  # ints, and numpy's
+        except TypeError:
+            raise TypeError(f"fetch_shard: coordinate {name}={coords[name]!r} must be an int") from None
+        if not 0 <= c < size:
             raise IndexError(f"fetch_shard: coordinate {name}={c!r} out of range for size {size}")
         index.append(c)
     return mesh.processes.location(index)
@@ -57,24 +66,33 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     ``IndexError`` for bad coordinates; the future raises ``RemoteException`` if the value depends on a failed
     invocation (on any rank), ``SessionError`` if the session failed.
     """
+    if shard is not None and not isinstance(shard, dict):
+        raise TypeError(f"fetch_shard: shard must be a dict of dimension -> coordinate, got {shard!r}")
     coords = {**(shard or {}), **coords}
-    leaves, _ = tree_flatten(obj)
+    leaves, spec = tree_flatten(obj)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
         return _Done(obj)
     mesh = tensors[0].mesh
     for t in tensors[1:]:
+        if t.mesh._session is not mesh._session:
+            raise TypeError(
+                f"WRONG_MESH: fetch_shard of tensors of another session ({t.ref} of session "
+                f"{t.mesh._session.id[:8]}, {tensors[0].ref} of session {mesh._session.id[:8]})"
+            )
         if t.mesh._rank_list != mesh._rank_list:
             raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")
     rank = _rank_of(mesh, coords)
     refuse_wait(f"fetch_shard from rank {rank}")  # before the SendValue: a refused fetch leaves nothing in the block
+    packed = pack_leaves(leaves, "fetch_shard")
+    sent = obj if packed is None else tree_unflatten(packed, spec)
     session = mesh._session
     refs = [t.ref.id for t in tensors]
     with session.lock:
         session.check_ok()
         seq = session.new_seq()
         session.record(seq, defs=[], uses=refs, what="fetch_shard")
-        session.send(SendValue(seq, None, [], None, ArgsKwargs((obj,), {}), DEFAULT_STREAM), [rank])
+        session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), DEFAULT_STREAM), [rank])
 
         def value():
             answer = session.take_fetch_result(seq)

@@ -223,14 +223,15 @@ class DeviceMesh:
     def exit(self, timeout: float = 60.0) -> None:
         """End the session (only the mesh returned by ``attach`` may): drain every rank, stop the tensor workers,
         and close the embedded cluster if ``attach`` started one. Raises the first remote failure nobody fetched
-        (spec §3), or ``SessionError``."""
+        (spec §3), or ``SessionError`` (a failure nobody reported, or a rank that failed, left or went silent
+        while draining). If the ranks have not drained within ``timeout`` seconds it raises ``TimeoutError``
+        naming them, and the session still ends on the workers: work still queued there is dropped."""
         if not self._owner:
             raise RuntimeError("only the mesh returned by dask_monarch.attach() can exit the session")
         try:
             self._session.close(timeout=timeout)
         finally:
-            closer = getattr(self, "_closer", None)
-            self._closer = None
+            closer = self.__dict__.pop("_closer", None)  # atomic: exit() from several threads closes once
             if closer is not None:
                 closer()
 

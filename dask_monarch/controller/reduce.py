@@ -75,6 +75,11 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
     if out is not None:
         if not isinstance(out, Tensor):
             raise TypeError(f"reduce: out must be a remote dask_monarch.Tensor, got {type(out).__name__}")
+        if out.mesh._session is not tmesh._session:
+            raise TypeError(
+                f"WRONG_MESH: reduce: out ({out.ref}) belongs to another session ({out.mesh._session.id[:8]}) "
+                f"than the tensor ({tmesh._session.id[:8]})"
+            )
         if out.mesh._rank_list != tmesh._rank_list:
             raise TypeError("WRONG_MESH: reduce: out is on a different mesh")
         if tuple(out.shape) != out_shape:
@@ -105,7 +110,7 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         session.send(
             Reduce(
                 result.ref, t.ref, Factory(shape, t.dtype, t._fake.layout, t.device), mesh_ref, DEFAULT_STREAM,
-                sorted_dims, red, bool(scatter), bool(in_place), out.ref if out is not None else None,
+                sorted_dims, red, bool(scatter), bool(in_place), out.ref if out is not None else None, seq,
             ),
             tmesh._rank_list,
         )

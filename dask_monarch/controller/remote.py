@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath
+from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
 from .dispatch import propagating
 from .mesh import DeviceMesh, get_active_mesh
@@ -24,7 +24,13 @@ from .propagation import Propagator
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
 
-__all__ = ["remote", "Remote", "function_of"]
+__all__ = ["remote", "Remote", "function_of", "pack_leaves"]
+
+#: argument leaves that travel as they are in the batch; any other leaf is pickled at the call (``PickledValue``)
+_WIRE_SAFE = frozenset((
+    int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+    torch.memory_format, Ref, StreamRef,
+))
 
 
 def _is_none(x) -> bool:
@@ -83,6 +89,20 @@ def function_of(fn):
     return Cloudpickle(cloudpickle.dumps(fn))
 
 
+def pack_leaves(leaves: list, where: str) -> list | None:
+    """The argument leaves to send, with every leaf that is not a remote tensor, a mesh or a plain value pickled
+    now (``PickledValue``): an unpicklable argument raises ``TypeError`` naming ``where`` at the call, and one the
+    workers cannot unpickle fails only that call there. None if every leaf travels as it is."""
+    packed = None
+    for i, x in enumerate(leaves):
+        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh)):
+            continue
+        if packed is None:
+            packed = list(leaves)
+        packed[i] = PickledValue.of(x, where)
+    return packed
+
+
 class Remote:
     """A function bound for remote execution; call it with tensors of a mesh (or under ``mesh.activate()``).
 
@@ -134,6 +154,8 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
     leaves, spec = tree_flatten((args, kwargs))
     mesh = _mesh_of(leaves, mesh)
     session = mesh._session
+    packed = pack_leaves(leaves, name)
+    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
     inputs = []
     fake_leaves = []
     for x in leaves:
@@ -181,7 +203,7 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
                 values.append(leaf)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
-            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)),
+            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
             DEFAULT_STREAM, (),
         )
         session.record(
@@ -201,16 +223,27 @@ def _with_hint(error: Exception, text: str) -> Exception:
         return RuntimeError(text)
 
 
+def _wrong_session(what: str, mesh, other) -> TypeError:
+    return TypeError(
+        f"WRONG_MESH: {what} belongs to another session ({other._session.id[:8]}) than the mesh it runs on "
+        f"({mesh!r}); a session's tensors and meshes can only be used in that session"
+    )
+
+
 def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
-    """The mesh a call runs on, with spec §1's client checks: ``TypeError`` WRONG_MESH for remote tensors of two
-    meshes, LOCAL_TENSOR for a local tensor (other than a 0-d scalar) mixed with remote ones."""
+    """The mesh a call runs on: its tensor arguments' mesh, else the active mesh, else a mesh argument. Every
+    tensor and mesh argument must belong to that mesh's session (their refs mean nothing in another). Spec §1's
+    client checks: ``TypeError`` WRONG_MESH for tensors of two meshes or another session, LOCAL_TENSOR for a local
+    tensor (other than a 0-d scalar) mixed with remote ones."""
     mesh = None
     local = None
     for x in leaves:
         if isinstance(x, Tensor):
             if mesh is None:
                 mesh = x.mesh
-            elif x.mesh is not mesh and (x.mesh._rank_list != mesh._rank_list or x.mesh._session is not mesh._session):
+            elif x.mesh._session is not mesh._session:
+                raise _wrong_session(f"tensor {x.ref}", mesh, x.mesh)
+            elif x.mesh is not mesh and x.mesh._rank_list != mesh._rank_list:
                 raise TypeError(
                     f"WRONG_MESH: tensors of different meshes in one call: {mesh!r} and {x.mesh!r}"
                 )
@@ -226,8 +259,13 @@ def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
     if mesh is None:
         for x in leaves:
             if isinstance(x, DeviceMesh):
-                return x
-        raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
+                mesh = x
+                break
+        else:
+            raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
+    for x in leaves:
+        if isinstance(x, DeviceMesh) and x._session is not mesh._session:
+            raise _wrong_session(f"mesh argument {x!r}", mesh, x)
     return mesh
 
 
@@ -240,5 +278,9 @@ def remote(fn=None, *, propagate=None):
     tensor outputs.
     """
     if fn is None:
-        return lambda f: Remote(f, propagate)
+        return lambda f: remote(f, propagate=propagate)
+    if isinstance(fn, str):
+        function_of(fn)  # a path without a dot fails now, not at the first call
+    elif not callable(fn):
+        raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
     return Remote(fn, propagate)

@@ -7,13 +7,17 @@ every rank is serialized once. Each rank's tasks carry an increasing batch numbe
 the order that Dask does not keep.
 
 Answers come back from the ``sync_batch`` tasks (keys ``monarch-fetch-...``, ``monarch-status-...``,
-``monarch-exit-...``; ``task_keys``), whose results feed ``History`` and the fetch futures.
+``monarch-exit-...``; ``task_keys``), whose results feed ``History`` and the fetch futures. Each carries a
+numbered chunk of its worker's outbox, and a rank's chunks are applied in that order, whatever order Dask
+finishes the tasks in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import math
 import pickle
 import threading
 import time
@@ -33,6 +37,7 @@ from ..protocol import (
     Exit,
     FetchResult,
     GetRefResult,
+    PickledValue,
     Ref,
     RemoteFunctionFailed,
     RequestStatus,
@@ -41,6 +46,7 @@ from ..protocol import (
     Status,
     StreamCreationMode,
     StreamRef,
+    WorkerError,
 )
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
@@ -130,8 +136,11 @@ class Session:
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``max_batch`` is the number of
     buffered messages that forces a flush; ``flush_interval`` (seconds) is how long a message may wait in the
     buffer before the background flusher sends it; ``liveness_interval`` (seconds) is how often a waiting
-    fetch checks that the mesh's workers are alive; ``record_answers`` keeps every controller message received
-    in ``answers`` (for tests and debugging).
+    fetch checks that the mesh's workers are alive; ``heartbeat_timeout`` (seconds) is how long a worker of the
+    mesh may go without a heartbeat to the scheduler (a stopped or wedged process: Dask itself waits for its
+    worker-ttl, 5 minutes) before the session fails naming it; ``record_answers`` keeps every controller
+    message received in ``answers`` (for tests and debugging); ``session_id`` is the id to use (default: a
+    new uuid; attach registers it with the scheduler first).
 
     Low-level use (tests, tools): ``send(message, ranks)`` queues any ``WorkerMessage``; ``sync(...).result()``
     waits until every rank has applied everything sent before.
@@ -146,15 +155,27 @@ class Session:
         max_batch: int = 4096,
         flush_interval: float = 0.005,
         liveness_interval: float = 1.0,
+        heartbeat_timeout: float = 30.0,
         record_answers: bool = False,
+        session_id: str | None = None,
     ):
-        self.id = uuid.uuid4().hex
+        for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(flush_interval, bool) or not isinstance(flush_interval, (int, float)) or not (
+            0 <= flush_interval < math.inf
+        ):
+            raise ValueError(f"flush_interval must be a non-negative number of seconds, got {flush_interval!r}")
+        if type(max_batch) is not int or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        self.id = session_id or uuid.uuid4().hex
         self.client = client
         self.workers = list(workers)
         self.world_size = len(self.workers)
         self.max_batch = max_batch
         self.flush_interval = flush_interval
         self.liveness_interval = liveness_interval
+        self.heartbeat_timeout = float(heartbeat_timeout)
         options = {"comm_timeout": float(comm_timeout)}
         self.params = [SessionParams(self.id, r, self.world_size, options) for r in range(self.world_size)]
         self.lock = threading.RLock()
@@ -167,6 +188,8 @@ class Session:
         self._deletes: deque = deque()  # (targets tuple, ref id), appended from any thread (GC)
         self._batch_seq = [0] * self.world_size
         self._inflight: list[deque] = [deque() for _ in range(self.world_size)]
+        self._answers_next = [0] * self.world_size  # per rank: the next outbox chunk to apply
+        self._answers_held: list[dict] = [{} for _ in range(self.world_size)]  # chunks that came early
         self._next_seq = 0
         self._next_ref = 0
         self._waiters: list[tuple] = []  # (status seq, MonarchFuture, on_done)
@@ -182,6 +205,7 @@ class Session:
         self._splits: set = set()
         self._key = self.id[:8]
         self._wake = threading.Event()
+        self._close_lock = threading.Lock()
         self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
         self._flusher.start()
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
@@ -382,40 +406,99 @@ class Session:
             future.futures = list(futures.values()) if futures else []
             return future
 
+    #: how long a diagnostic question to a worker or the scheduler may take (the liveness check of a wait allows
+    #: the scheduler ``heartbeat_timeout``)
+    PROBE_TIMEOUT = 5.0
+
     def describe_pending(self, seq: int, diagnose: bool = False) -> str:
-        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, what their workers report
-        about this session (inbox position, stream queues, failure)."""
+        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, how long ago each sent the
+        scheduler a heartbeat and what its worker reports about this session (inbox position, stream queues,
+        failure). Every question is bounded (``PROBE_TIMEOUT``): a stopped worker is named, not waited for."""
         late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
         who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
         text = f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
         if diagnose and late:
+            addresses = [self.workers[r] for r in late]
             try:
-                states = self.client.run(
-                    session_state, self.id, workers=[self.workers[r] for r in late], on_error="return"
-                )
-                sent = {self.workers[r]: self._batch_seq[r] for r in late}
-                text += "".join(
-                    f"\n  {addr}: {state!r}; batches sent to it: {sent.get(addr)}" for addr, state in states.items()
-                )
-            except Exception as e:
-                text += f"\n  (could not ask the workers: {type(e).__name__}: {e})"
+                ages = self._worker_ages(self.PROBE_TIMEOUT)[0]
+            except Exception:
+                ages = {}
+            states = self._probe_workers(addresses)
+            sent = {self.workers[r]: self._batch_seq[r] for r in late}
+            for address in addresses:
+                age = ages.get(address)
+                beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
+                text += f"\n  {address}: {beat}{states[address]}; batches sent to it: {sent.get(address)}"
         return text
 
+    def _probe_workers(self, addresses: list) -> dict:
+        """``session_state`` of each worker, asked one by one in parallel, each bounded by ``PROBE_TIMEOUT``."""
+        timeout = self.PROBE_TIMEOUT
+        client = self.client
+
+        async def ask(address):
+            try:
+                answer = await asyncio.wait_for(
+                    client._run(session_state, self.id, workers=[address], on_error="return"), timeout
+                )
+                return repr(answer.get(address, answer))
+            except asyncio.TimeoutError:
+                return f"did not answer within {timeout:g} s (stopped, hung or unreachable)"
+            except Exception as e:
+                return f"could not be asked: {type(e).__name__}: {e}"
+
+        async def ask_all():
+            return dict(zip(addresses, await asyncio.gather(*(ask(a) for a in addresses))))
+
+        try:
+            return client.sync(ask_all, callback_timeout=timeout + 5)
+        except Exception as e:
+            return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
+
+    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float]:
+        """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval), from the
+        scheduler, bounded by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may
+        take seconds to answer, and a silent scheduler is judged like a silent worker)."""
+        timeout = self.heartbeat_timeout if timeout is None else timeout
+        answer = self.client.sync(
+            self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
+        )
+        if answer is None:  # the scheduler runs an older dask_monarch without the handler: membership only
+            info = self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
+            known = info.get("workers", {})
+            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0
+        return answer["ages"], float(answer["interval"])
+
+    def _unhealthy(self, ages: dict, interval: float) -> str:
+        """The ranks whose worker left the cluster, else those silent for more than ``heartbeat_timeout`` (and
+        ten heartbeat intervals), as text; empty if all look alive."""
+        gone = [(r, a) for r, a in enumerate(self.workers) if ages.get(a, 0.0) is None]
+        if gone:
+            names = ", ".join(f"rank {r} ({a})" for r, a in gone)
+            return f"worker(s) left the cluster: {names}"
+        limit = max(self.heartbeat_timeout, 10 * interval)
+        stale = [(r, a, ages[a]) for r, a in enumerate(self.workers) if (ages.get(a) or 0.0) > limit]
+        if stale:
+            names = ", ".join(f"rank {r} ({a}) has sent no heartbeat to the Dask scheduler for {age:.0f} s"
+                              for r, a, age in stale)
+            return (f"{names} (heartbeat_timeout={self.heartbeat_timeout:g} s): its process is stopped, hung or "
+                    "its event loop is blocked")
+        return ""
+
     def check_alive(self) -> None:
-        """Raise ``SessionError`` if the session failed or a worker of the mesh left the cluster."""
+        """Raise ``SessionError`` if the session failed, a worker of the mesh left the cluster, or one has been
+        silent for longer than ``heartbeat_timeout`` (a stopped process, which Dask keeps for its worker-ttl)."""
         if self.failure is not None:
             raise self.failure
         try:
-            info = self.client.scheduler_info()
+            ages, interval = self._worker_ages()
         except Exception as e:
             err = SessionError(f"session {self.id}: the Dask scheduler is unreachable: {type(e).__name__}: {e}")
             self._fail(err)
             raise err from None
-        alive = set(info.get("workers", {}))
-        gone = [(r, a) for r, a in enumerate(self.workers) if a not in alive]
-        if gone:
-            names = ", ".join(f"rank {r} ({a})" for r, a in gone)
-            err = SessionError(f"session {self.id}: worker(s) left the cluster: {names}; the mesh cannot continue")
+        problem = self._unhealthy(ages, interval)
+        if problem:
+            err = SessionError(f"session {self.id}: {problem}; the mesh cannot continue")
             self._fail(err)
             raise err
 
@@ -430,6 +513,12 @@ class Session:
 
     def _on_sync_done(self, fut) -> None:
         rank = parse_task_key(fut.key)[2]
+        if fut.status == "cancelled":
+            self._fail(SessionError(
+                f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
+                "cancelled (the cluster was restarted, or the task was released)"
+            ))
+            return
         if fut.status != "finished":
             try:
                 exc = fut.exception()
@@ -438,15 +527,50 @@ class Session:
             self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
             return
         try:
-            messages = pickle.loads(fut.result())
+            chunk, messages = pickle.loads(fut.result())
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
             return
+        messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
+        note = ""
+        if self.failure is None and any(type(m) is SessionFailed for m in messages):
+            # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
+            # worker that left or went silent, if the scheduler knows one
+            try:
+                problem = self._unhealthy(*self._worker_ages(self.PROBE_TIMEOUT))
+            except Exception:
+                problem = ""
+            note = f"\n(meanwhile: {problem})" if problem else ""
         with self.lock:
-            for msg in messages:
-                self._handle(rank, msg)
+            if chunk is None:  # the session had already ended on that worker
+                for msg in messages:
+                    self._handle(rank, msg, note)
+                return
+            # apply each rank's answers in the order its worker took them (Dask may finish two status tasks of
+            # one rank in either order; a Status applied before the FetchResult it follows would resolve a fetch
+            # without its value)
+            held = self._answers_held[rank]
+            held[chunk] = (messages, note)
+            while self._answers_next[rank] in held:
+                messages, note = held.pop(self._answers_next[rank])
+                self._answers_next[rank] += 1
+                for msg in messages:
+                    self._handle(rank, msg, note)
 
-    def _handle(self, rank: int, msg) -> None:
+    def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
+        """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
+        controller cannot load (its class's module is only on the workers) becomes that fetch's error."""
+        value = msg.value
+        if type(value) is not PickledValue:
+            return msg
+        try:
+            return FetchResult(msg.seq, value=value.load())
+        except Exception as e:
+            text = (f"the fetched value of type {value.type_name} could not be unpickled on the controller: "
+                    f"{type(e).__name__}: {e}")
+            return FetchResult(msg.seq, error=WorkerError(text, self.workers[rank]))
+
+    def _handle(self, rank: int, msg, note: str = "") -> None:
         if self.answers is not None:
             self.answers.append((rank, msg))
         kind = type(msg)
@@ -471,7 +595,7 @@ class Session:
             self.get_ref_results.append((rank, msg))
         elif kind is SessionFailed:
             self._fail(SessionError(
-                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}"
+                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}{note}"
             ))
         else:
             logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)
@@ -490,8 +614,12 @@ class Session:
         for _, future, _ in waiters:
             future._set(error=error)
         self._exit_remote(str(error))
-        try:  # fail rendezvous still waiting in this session (a rank building a communicator with a lost peer)
-            self.client.loop.add_callback(self.client.scheduler.monarch_session_close, session_id=self.id)
+        # and through the scheduler: fail rendezvous still waiting in this session, and end it on every worker
+        # around its inbox (a rank building a communicator with a lost peer does not read its inbox)
+        try:
+            self.client.loop.add_callback(
+                self.client.scheduler.monarch_session_close, session_id=self.id, reason=str(error)[:2000]
+            )
         except Exception:
             pass
 
@@ -513,20 +641,33 @@ class Session:
                     pass
 
     # ------------------------------------------------------------------------------------------------- exit
+    def stop(self) -> None:
+        """Close the session on the controller only: later use raises, the flusher thread ends, nothing more
+        is sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
+        self.closed = True
+        self._wake.set()
+
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
-        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), or the
-        ``SessionError`` if the session failed and no fetch reported it."""
-        if self.closed:
-            return
+        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
+        if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
+        included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
+        with self._close_lock:  # a second exit (another thread) waits for the first, then returns
+            if self.closed:
+                return
+            self._close(timeout)
+
+    def _close(self, timeout: float) -> None:
+        during_exit = None
         try:
             if self.failure is None:
                 self.sync("mesh.exit()", exit_after=True).result(timeout=timeout)
-        except SessionError:
-            pass
+        except SessionError as e:
+            during_exit = e  # a rank failed or went silent while draining: nobody else reports it
         finally:
-            self.closed = True
-            self._wake.set()
+            self.stop()
+        if during_exit is not None:
+            raise during_exit
         if self.failure is not None and not self._failure_seen:
             self._failure_seen = True
             raise self.failure

@@ -5,7 +5,7 @@ from .messages import *  # noqa: F401,F403
 from .messages import __all__ as _messages_all
 from .refs import Ref, Seq, StreamRef
 from .slice import Slice, SliceError
-from .types import ArgsKwargs, Factory, ProtocolError, Reduction, StreamCreationMode, UniqueId, WorkerError
+from .types import ArgsKwargs, Factory, PickledValue, ProtocolError, Reduction, StreamCreationMode, UniqueId, WorkerError
 from .wire_value import WireValue
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Cloudpickle",
     "Factory",
     "FunctionPath",
+    "PickledValue",
     "ProtocolError",
     "Reduction",
     "Ref",

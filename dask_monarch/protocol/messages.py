@@ -205,6 +205,7 @@ _CHECKS = {
     "bool": (lambda v: type(v) is bool, _bool),
     "Ref": (_is_ref, _ref),
     "Optional[Ref]": (_is_opt_ref, _opt_ref),
+    "Optional[Seq]": (lambda v: v is None or _is_u64(v), _opt(_u64)),
     "list[Ref]": (_ok_list(_is_ref), _REFS),
     "list[Optional[Ref]]": (_ok_list(_is_opt_ref), _OPT_REFS),
     "StreamRef": (lambda v: type(v) is StreamRef, _stream),
@@ -405,7 +406,11 @@ class RequestStatus(_Validated):
 @_message
 class Reduce(_Validated):
     """Collective over ``dims`` of ``mesh`` on ``stream``: all-reduce, reduce-scatter, all-gather (stack) or
-    all-to-all (stack + scatter), into ``result`` (spec §5 table)."""
+    all-to-all (stack + scatter), into ``result`` (spec §5 table).
+
+    ``seq`` (not in the seed) is the controller's seq of the reduce: a rank whose input does not match
+    ``factory`` reports its error as ``RemoteFunctionFailed{seq}`` (DESIGN.md "Decisions"); None in raw
+    messages, which then only store the error."""
 
     result: Ref
     tensor: Ref
@@ -417,6 +422,7 @@ class Reduce(_Validated):
     scatter: bool
     in_place: bool
     out: Optional[Ref]
+    seq: Optional[Seq] = None
 
 
 @_message

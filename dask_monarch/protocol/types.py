@@ -1,5 +1,5 @@
 """Value types carried by worker messages: ``Factory``, ``Reduction``, ``StreamCreationMode``,
-``ArgsKwargs``, ``UniqueId`` and ``WorkerError``.
+``ArgsKwargs``, ``PickledValue``, ``UniqueId`` and ``WorkerError``.
 
 Source: seed ``worker.rs`` (``Factory``, ``Reduction``/``ReduceOp``, ``StreamCreationMode``, ``ArgsKwargs``,
 ``SeqError``) and spec §2 "Types", §5 (reductions), §8 (``args_kwargs``).
@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "ArgsKwargs",
     "Factory",
+    "PickledValue",
     "ProtocolError",
     "Reduction",
     "StreamCreationMode",
@@ -118,6 +119,56 @@ class ArgsKwargs:
             return v.to_python() if isinstance(v, WireValue) else v
 
         return cls(tuple(conv(a) for a in args), {k: conv(v) for k, v in dict(kwargs).items()})
+
+@dataclass(slots=True, frozen=True)
+class PickledValue:
+    """A value pickled on its own, so that whoever cannot unpickle it fails alone, not the batch around it.
+
+    * An argument leaf the controller pickled at call time, as Monarch pickles every call's arguments (spec §8):
+      objects other than refs, tensors, meshes, numbers, strings, dtypes and devices. An unpicklable argument
+      is a ``TypeError`` at the call; one the worker cannot load (its module is only on the controller, say)
+      is that call's value error (spec §2 ``CallFunction`` step 1), not the whole batch's.
+    * A fetched value (``FetchResult.value``) the worker pickled: one the controller cannot load (its module
+      is only on the workers) fails that fetch, not every answer of the rank.
+
+    ``type_name`` names the object's type for error messages.
+    """
+
+    data: bytes
+    type_name: str
+
+    @classmethod
+    def of(cls, value, where: str) -> "PickledValue":
+        """Pickle ``value``; ``TypeError`` naming ``where`` (the call) and the value's type if it cannot be."""
+        import cloudpickle
+
+        try:
+            return cls(cloudpickle.dumps(value, protocol=5), type(value).__qualname__)
+        except Exception as e:
+            raise TypeError(
+                f"{where}: an argument of type {type(value).__qualname__} cannot be pickled to send it to the "
+                f"workers: {type(e).__name__}: {e}"
+            ) from None
+
+    @classmethod
+    def dumps(cls, value) -> "PickledValue":
+        """Pickle ``value`` (plain pickle when it can, else cloudpickle); raises what pickling raised."""
+        import pickle
+
+        import cloudpickle
+
+        try:
+            data = pickle.dumps(value, protocol=5)
+        except Exception:
+            data = cloudpickle.dumps(value, protocol=5)
+        return cls(data, type(value).__qualname__)
+
+    def load(self):
+        """The value; raises what unpickling raised (callers say where it happened)."""
+        import cloudpickle
+
+        return cloudpickle.loads(self.data)
+
 
 @dataclass(slots=True, frozen=True)
 class WorkerError:

@@ -13,6 +13,8 @@ import logging
 import time
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time as dask_time
+from distributed.scheduler import heartbeat_interval
 
 from ..worker.plugin import END_SESSION_OP
 from .kv import KeyValueStore
@@ -52,6 +54,7 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 "monarch_session_open": self.session_open,
                 "monarch_session_close": self.session_close,
                 "monarch_sessions": self.list_sessions,
+                "monarch_worker_ages": self.worker_ages,
             }
         )
         try:
@@ -102,11 +105,33 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
             "started": time.time(),
         }
 
-    async def session_close(self, session_id: str) -> int:
+    async def session_close(self, session_id: str, reason: str | None = None) -> int:
         """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank
-        blocked building a communicator with a lost peer stops now); returns the number of keys deleted."""
-        self.sessions.pop(session_id, None)
+        blocked building a communicator with a lost peer stops now), and end it on its workers where it is
+        still open (after a clean exit it is not: nothing happens there). Ending goes around the session's
+        inbox, which a rank blocked in comm setup does not read. Returns the number of keys deleted."""
+        info = self.sessions.pop(session_id, None)
+        if info is not None:
+            self._end_on_workers(session_id, info, reason or "the controller ended the session")
         return await self.kv.abort(f"{session_id}/")
+
+    def _end_on_workers(self, session_id: str, info: dict, reason: str) -> None:
+        for address in info["workers"]:
+            if address in self.scheduler.workers:
+                self.scheduler.worker_send(
+                    address, {"op": END_SESSION_OP, "session_id": session_id, "reason": reason}
+                )
+
+    def worker_ages(self, workers: list) -> dict:
+        """Liveness of ``workers`` as the scheduler sees it: ``ages`` maps each address to the seconds since its
+        last heartbeat (None if it is not in the cluster); ``interval`` is the heartbeat interval the scheduler
+        asks of its workers now. Measured on the scheduler's clock, so the controller's clock does not matter."""
+        now = dask_time()  # the clock of WorkerState.last_seen
+        ages = {}
+        for address in workers:
+            ws = self.scheduler.workers.get(address)
+            ages[address] = None if ws is None else max(0.0, now - ws.last_seen)
+        return {"ages": ages, "interval": heartbeat_interval(len(self.scheduler.workers))}
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}
@@ -115,13 +140,5 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         """A controller disconnected without ``mesh.exit()``: end its sessions on their workers, so nothing
         they held (threads, tensors, communicators) outlives it, and drop their rendezvous keys."""
         for session_id, info in list(self.sessions.items()):
-            if info["client"] != client:
-                continue
-            for address in info["workers"]:
-                if address in scheduler.workers:
-                    scheduler.worker_send(
-                        address,
-                        {"op": END_SESSION_OP, "session_id": session_id,
-                         "reason": f"the controller ({client}) disconnected"},
-                    )
-            asyncio.ensure_future(self.session_close(session_id))
+            if info["client"] == client:
+                asyncio.ensure_future(self.session_close(session_id, f"the controller ({client}) disconnected"))

@@ -9,6 +9,7 @@ global rank, as NCCL's split does.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from ..protocol import Reduction
 from .store import SchedulerStore
 
-__all__ = ["CommError", "Comms", "reduce"]
+__all__ = ["CommError", "Comms", "reduce", "unsupported"]
 
 
 class CommError(RuntimeError):
@@ -55,6 +56,9 @@ class Comms:
         self.world = None
         self.groups: list = []
         self._stores: list = []
+        #: set by ``shutdown``: a collective still waiting (on gloo, which no abort unblocks) gives up at once
+        self.stopped = threading.Event()
+        self.stop_reason = "the session ended"
 
     def _store(self, prefix: str) -> dist.Store:
         # keep the Python store alive: the C++ side holds it without its Python half otherwise (pybind11)
@@ -96,7 +100,7 @@ class Comms:
         self.unique_id = unique_id
         self.world = self._new_group(f"{unique_id}/world", list(range(self.world_size)))
         warm = torch.zeros([1], device=self.device)
-        _wait(self.world.allreduce([warm]), "warm-up all-reduce", f"all {self.world_size} ranks")
+        _wait(self.world.allreduce([warm]), "warm-up all-reduce", f"all {self.world_size} ranks", self)
 
     def split(self, mesh_id: int, stream_id: int, dims: tuple, members: list[int]):
         """``SplitComm``: the communicator of ``(stream, dims)`` of mesh ``mesh_id`` over global ranks
@@ -104,8 +108,12 @@ class Comms:
         key = f"{self.unique_id}/split/m{mesh_id}/s{stream_id}/{','.join(dims)}/{','.join(map(str, sorted(members)))}"
         return self._new_group(key, members)
 
-    def shutdown(self) -> None:
-        """Release every process group (best effort: a group whose peer is gone may refuse)."""
+    def shutdown(self, reason: str | None = None) -> None:
+        """Release every process group (best effort: a group whose peer is gone may refuse). A collective still
+        waiting on another thread stops waiting and raises ``CommError`` with ``reason``."""
+        if reason and not self.stopped.is_set():
+            self.stop_reason = reason
+        self.stopped.set()
         for group in self.groups:
             try:
                 group.shutdown() if hasattr(group, "shutdown") else None
@@ -130,20 +138,65 @@ def _host(address: str) -> str:
     return get_address_host(address)
 
 
-def _wait(work, what: str, among: str) -> None:
+_POLL = datetime.timedelta(seconds=0.5)
+
+
+def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
+    """Wait for collective ``work``. With ``comms`` on gloo, wait in slices so that ``comms.shutdown()`` (the
+    session failed or was told to exit) ends the wait at once: a gloo op blocked on a stopped peer otherwise
+    holds its thread until the group's timeout, and neither ``abort`` nor ``shutdown`` of the group unblocks it.
+    The group's own timeout still bounds the op."""
     try:
-        work.wait()
+        if comms is None or comms.backend != "gloo":
+            work.wait()
+            return
+        while True:
+            if comms.stopped.is_set() and not work.is_completed():
+                raise CommError(f"{what} among {among} abandoned: {comms.stop_reason}")
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # the op's own outcome: its error, or nothing if it just finished
+                    return
+    except CommError:
+        raise
     except Exception as e:
+        if comms is not None and "Timed out" in str(e):
+            raise CommError(
+                f"{what} did not complete within comm_timeout={comms.timeout:g} s: a peer did not reach it in time "
+                f"(still busy with earlier work, stopped, or not at this collective): {type(e).__name__}: {e}"
+            ) from None
         raise CommError(f"{what} among {among} failed: {type(e).__name__}: {e}") from None
 
 
-def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out):
+_BITWISE = (Reduction.Band, Reduction.Bor, Reduction.Bxor)
+
+
+def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run ``reduction`` over ``dtype`` tensors, or None. Decided from the Reduce's
+    factory, so every rank decides the same and they skip the collective together (gloo itself fails these on
+    every rank only after the exchange, as 'result type Float can't be cast...' or 'Invalid scalar type')."""
+    if reduction in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        why = f"{reduction.value} needs an integer or bool dtype"
+    elif backend == "gloo" and reduction is Reduction.Avg and not (dtype.is_floating_point or dtype.is_complex):
+        why = "avg needs a floating point or complex dtype (reduce with 'sum' and divide, or convert first)"
+    elif backend == "gloo" and dtype.is_complex and reduction not in (Reduction.Sum, Reduction.Avg):
+        why = "only sum and avg are supported for complex tensors"
+    else:
+        return None
+    return f"{backend} cannot reduce {reduction.value!r} over {dtype} tensors: {why}"
+
+
+def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out,
+           comms: Comms | None = None):
     """Run one ``Reduce`` row of spec §5 on ``group`` (``size`` ranks) and return the output tensor.
 
     ``tensor`` is this rank's input (shape ``s``); ``out`` an optional output tensor of the exact output shape:
     stack -> ``[size, *s]`` (all-gather), stack+scatter -> ``s`` (all-to-all), op -> ``s`` (all-reduce),
     op+scatter -> ``s[1:]`` (reduce-scatter). Raises ``CommError`` for an unsupported combination, a backend
-    refusal, or a timeout.
+    refusal, or a timeout. ``comms`` (the session's) lets ``Comms.shutdown`` end a wait.
     """
     members = f"a group of {size} ranks"
     try:
@@ -154,12 +207,12 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
                     output, src = tensor, src.clone()
                 else:
                     output = out if out is not None else torch.empty_like(src)
-                _wait(group.alltoall_base(output, src, [], []), "all-to-all", members)
+                _wait(group.alltoall_base(output, src, [], []), "all-to-all", members, comms)
                 return output
             if in_place:
                 raise CommError("in-place, non-scatter not supported for stack reduce")
             output = out if out is not None else tensor.new_empty((size, *tensor.shape))
-            _wait(group.allgather([list(output.unbind(0))], [tensor.contiguous()]), "all-gather", members)
+            _wait(group.allgather([list(output.unbind(0))], [tensor.contiguous()]), "all-gather", members, comms)
             return output
         opts_op = _OPS[reduction]
         if scatter:
@@ -170,7 +223,7 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = opts_op
             work = group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts)
-            _wait(work, "reduce-scatter", members)
+            _wait(work, "reduce-scatter", members, comms)
             if flat is not output:
                 output.copy_(flat)
             return output
@@ -182,7 +235,7 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             output = tensor.clone()
         opts = dist.AllreduceOptions()
         opts.reduceOp = opts_op
-        _wait(group.allreduce([output], opts), "all-reduce", members)
+        _wait(group.allreduce([output], opts), "all-reduce", members, comms)
         return output
     except CommError:
         raise

@@ -61,7 +61,14 @@ class MonarchWorkerPlugin(WorkerPlugin):
         session here, on a thread, since closing joins the session's threads."""
         tw = self.sessions.get(session_id)
         if tw is None:
-            return
+            # not (or no longer) running here: remember it as ended, so a batch still on its way (the session's
+            # first one, when attach failed right after creating it) cannot start it afterwards
+            with self._lock:
+                tw = self.sessions.get(session_id)
+                if tw is None:
+                    self.closed.setdefault(session_id, reason)
+                    self._trim_closed()
+                    return
 
         def end():
             tw.fail(reason)
@@ -95,8 +102,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
         with self._lock:
             self.sessions.pop(session_id, None)
             self.closed[session_id] = failure
-            while len(self.closed) > _CLOSED_MEMORY:
-                self.closed.pop(next(iter(self.closed)))
+            self._trim_closed()
+
+    def _trim_closed(self) -> None:
+        while len(self.closed) > _CLOSED_MEMORY:
+            self.closed.pop(next(iter(self.closed)))
 
 
 def session_state(session_id: str, dask_worker=None) -> dict:
@@ -141,24 +151,27 @@ async def deliver_batch(params: SessionParams, batch_seq: int, segments: list) -
 def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> bytes:
     """Deliver batch ``batch_seq``, whose last message is ``RequestStatus{status_seq}`` (then ``Exit`` if
     ``exit``), then wait (seceded) for ``Status{status_seq + 1}`` (and for the session to close if ``exit``) and
-    return the pickled list of controller messages collected so far."""
+    return the pickled ``(chunk, messages)``: the controller messages collected so far and the number of this
+    drain of the outbox (``TensorWorker.drain``); ``chunk`` is None when the session had already ended here."""
     plugin = _plugin()
     tw = plugin.tensor_worker(params)
     if tw is None:
         text = plugin.closed.get(params[0]) or f"session {params[0]} already ended on this worker"
-        return pickle.dumps([SessionFailed(WorkerError(text, get_worker().address))])
+        return pickle.dumps((None, [SessionFailed(WorkerError(text, get_worker().address))]))
     secede()
     tw.inbox.put(batch_seq, segments)
     tw.wait_status(status_seq)
     if exit:
         tw.wait_closed()
-    return _dumps_outbox(tw.drain(), tw.actor_id)
+    chunk, messages = tw.drain()
+    return _dumps_outbox(chunk, messages, tw.actor_id)
 
 
-def _dumps_outbox(messages: list, actor_id: str) -> bytes:
-    """Pickle the outbox; a fetched value that cannot be pickled becomes that fetch's error, nothing is lost."""
+def _dumps_outbox(chunk: int, messages: list, actor_id: str) -> bytes:
+    """Pickle ``(chunk, messages)``; a fetched value that cannot be pickled becomes that fetch's error, nothing
+    is lost."""
     try:
-        return pickle.dumps(messages, protocol=5)
+        return pickle.dumps((chunk, messages), protocol=5)
     except Exception:
         pass
     safe = []
@@ -171,4 +184,4 @@ def _dumps_outbox(messages: list, actor_id: str) -> bytes:
             text = f"the fetched value of type {type(msg.value).__name__} cannot be pickled: {type(e).__name__}: {e}"
             msg = FetchResult(msg.seq, error=WorkerError(text, actor_id))
         safe.append(msg)
-    return cloudpickle.dumps(safe, protocol=5)
+    return cloudpickle.dumps((chunk, safe), protocol=5)

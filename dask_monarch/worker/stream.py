@@ -21,6 +21,8 @@ from ..protocol import (
     FetchResult,
     FunctionPath,
     GetRefResult,
+    PickledValue,
+    Reduction,
     Ref,
     Reduce,
     RemoteFunctionFailed,
@@ -57,6 +59,42 @@ def _leaves(out) -> list:
     if type(out) in _PLAIN:
         return [out]
     return tree_flatten(out, is_leaf=_is_none)[0]
+
+
+def _plain_tree(value) -> bool:
+    """Whether every leaf of ``value`` is a tensor or a plain value, which any controller can unpickle."""
+    if type(value) in _PLAIN:
+        return True
+    return all(type(leaf) in _PLAIN for leaf in tree_flatten(value)[0])
+
+
+def _load_argument(pickled: PickledValue):
+    try:
+        return pickled.load()
+    except Exception as e:
+        raise RuntimeError(
+            f"could not unpickle an argument of type {pickled.type_name} on this worker: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _mismatch(value, shape, dtype) -> str | None:
+    """Why ``value`` cannot stand for a tensor of ``shape`` and ``dtype`` in a collective, or None if it can."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        return (
+            f"has shape {list(value.shape)} and dtype {value.dtype}, but the controller expects shape "
+            f"{list(shape)} and dtype {dtype}"
+        )
+    return None
+
+
+def _reduce_shape(shape, reduction, scatter: bool, size: int) -> tuple:
+    """The output shape of a ``Reduce`` of input ``shape`` over ``size`` ranks (spec §5 table)."""
+    shape = tuple(shape)
+    if reduction is Reduction.Stack:
+        return shape if scatter else (size, *shape)
+    return shape[1:] if scatter else shape
 
 
 def _to_cpu(value):
@@ -148,8 +186,10 @@ class StreamWorker:
                 continue
             try:
                 for msg in items:
+                    if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
+                        break
                     handlers[type(msg)](msg)
-                self.applied += len(items)
+                    self.applied += 1
             except FatalError as e:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
@@ -181,10 +221,14 @@ class StreamWorker:
             return self._lookup(obj.id, meshes)
         if t in _PLAIN:
             return obj
+        if t is PickledValue:
+            return _load_argument(obj)
 
         def leaf(x):
             if type(x) is Ref:
                 return self._lookup(x.id, meshes)
+            if type(x) is PickledValue:
+                return _load_argument(x)
             ref = getattr(x, "__monarch_ref__", None)
             if ref is not None and not isinstance(x, type):
                 return self._lookup(ref(), meshes)
@@ -263,7 +307,7 @@ class StreamWorker:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.results, err)
             self._store_error(msg.mutates, err)
-        except Exception:
+        except BaseException:  # whatever the function raises (KeyboardInterrupt, SystemExit, ...) is a value error
             err = self._root_error(msg.seq)
             self._store_error(msg.results, err)
             self._store_error(msg.mutates, err)
@@ -290,7 +334,15 @@ class StreamWorker:
                         f"{len(kwargs)} keyword arguments"
                     )
                 value = args[0]
-            self.tw.report(FetchResult(msg.seq, value=_to_cpu(value)))
+            value = _to_cpu(value)
+            try:  # objects pickle on their own, so that one the controller cannot unpickle fails only this fetch
+                if not _plain_tree(value):
+                    value = PickledValue.dumps(value)
+            except Exception as e:
+                text = f"the fetched value of type {type(value).__name__} cannot be pickled: {type(e).__name__}: {e}"
+                self.tw.report(FetchResult(msg.seq, error=WorkerError(text, self.tw.actor_id)))
+                return
+            self.tw.report(FetchResult(msg.seq, value=value))
         except DependentError as e:
             self._store_error(msg.mutates, e.root)
             self.tw.report(FetchResult(msg.seq, error=e.root.error))
@@ -298,7 +350,7 @@ class StreamWorker:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
-        except Exception:
+        except BaseException:  # as in call_function: whatever the function raises is a value error
             err = self._root_error(msg.seq)
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
@@ -347,8 +399,16 @@ class StreamWorker:
         if value is _MISSING:
             raise FatalError(f"Reduce.tensor: ref not found: {msg.tensor}")
         device = self.tw.device
+        factory = msg.factory
         if type(value) is SeqError:
-            error, value = value, msg.factory.zeros(device)
+            error, value = value, factory.zeros(device)
+        else:
+            problem = _mismatch(value, factory.size, factory.dtype)
+            if problem is not None:
+                # every rank must hand the collective the controller's shape and dtype, or the peers wait for
+                # bytes that never come (gloo: until comm_timeout): take part with zeros, fail the result
+                error = self._reduce_error(msg, dims, f"the input {msg.tensor} {problem}")
+                value = factory.zeros(device)
         out = None
         if msg.out is not None:
             out = env.get(msg.out.id, _MISSING)
@@ -356,10 +416,42 @@ class StreamWorker:
                 raise FatalError(f"Reduce.out: ref not found: {msg.out}")
             if type(out) is SeqError:
                 error, out = error or out, None
+            else:
+                problem = _mismatch(out, _reduce_shape(factory.size, msg.reduction, msg.scatter, size), factory.dtype)
+                if problem is not None:
+                    error, out = error or self._reduce_error(msg, dims, f"out {msg.out} {problem}"), None
+        refused = comm.unsupported(self.tw.comms.backend, msg.reduction, factory.dtype)
         try:
-            output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out)
+            if refused is not None:  # every rank refuses alike (the factory is the same): nobody waits
+                output = None
+                error = error or self._reduce_error(msg, dims, refused, took_part=False)
+            else:
+                output = comm.reduce(group, size, value, msg.reduction, msg.scatter, msg.in_place, out, self.tw.comms)
         except comm.CommError as e:
-            raise FatalError(f"Reduce over {dims} (result {msg.result}): {e}") from None
+            try:
+                members = f" among ranks {mesh.get_ranks_for_dim_slice(dims)}"
+            except Exception:
+                members = ""
+            raise FatalError(f"Reduce over {dims}{members} (result {msg.result}): {e}") from None
         if msg.result.id in env and msg.result.id not in (msg.tensor.id, getattr(msg.out, "id", None)):
             raise FatalError(f"Reduce: Duplicate write to reference {msg.result}")
         env[msg.result.id] = error if error is not None else output
+        if error is not None:  # what the reduce wrote into is not a valid value either (spec §3: mutates)
+            if msg.in_place:
+                env[msg.tensor.id] = error
+            if msg.out is not None:
+                env[msg.out.id] = error
+
+    def _reduce_error(self, msg, dims, problem: str, took_part: bool = True) -> SeqError:
+        """A root failure of ``Reduce`` ``msg``: reported as ``RemoteFunctionFailed{msg.seq}`` when the
+        controller gave the seq (raw messages without one only store it)."""
+        if took_part:
+            problem += (
+                "; every rank must reduce tensors of the shape and dtype the controller computed (from the "
+                "function's propagate), so this rank took part with zeros"
+            )
+        text = f"Reduce over {dims} into {msg.result}: {problem}"
+        if msg.seq is None:
+            return SeqError(-1, WorkerError(text, self.tw.actor_id))
+        return self._root_error(msg.seq, text)
+

@@ -113,6 +113,8 @@ class TensorWorker:
         self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
         self.inbox = Inbox()
         self.outbox: collections.deque = collections.deque()
+        self._drain_lock = threading.Lock()
+        self._chunks = 0
         self.failure: str | None = None
         #: the last root failure reported (``(seq, text)``) and how many there were, for the dashboard
         self.last_error: tuple[int, str] | None = None
@@ -211,14 +213,20 @@ class TensorWorker:
         """Queue a controller message (``RemoteFunctionFailed``, ``FetchResult``, ...) for the next sync task."""
         self.outbox.append(message)
 
-    def drain(self) -> list:
-        out = []
-        pop = self.outbox.popleft
-        while True:
-            try:
-                out.append(pop())
-            except IndexError:
-                return out
+    def drain(self) -> tuple[int, list]:
+        """Take everything in the outbox, numbered: ``(chunk, messages)``. Chunks are numbered 0, 1, ... in the
+        order they were taken, so the controller applies them in outbox order even when the tasks that carry
+        them finish out of order (two status tasks in flight)."""
+        with self._drain_lock:
+            chunk = self._chunks
+            self._chunks += 1
+            out = []
+            pop = self.outbox.popleft
+            while True:
+                try:
+                    out.append(pop())
+                except IndexError:
+                    return chunk, out
 
     def note_error(self, seq: int, text: str) -> None:
         """Remember a root failure (``RemoteFunctionFailed``) for the dashboard; called on error paths only."""
@@ -252,7 +260,7 @@ class TensorWorker:
             self.report(SessionFailed(WorkerError(text, self.actor_id)))
             self._cond.notify_all()
         logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
-        self.comms.shutdown()
+        self.comms.shutdown(f"the session failed on rank {self.rank}: {text[:500]}")
         self.inbox.close()
 
     def close(self, join_timeout: float = 10.0) -> None:
@@ -349,13 +357,12 @@ class TensorWorker:
             stream.enqueue(barrier)
 
     def exit(self, msg: Exit) -> None:
-        """Drain and stop every stream and end the session on this worker; the Dask worker lives on."""
+        """Drain and stop every stream and end the session on this worker; the Dask worker lives on. With an
+        error (a peer or the controller failed) the session fails here instead: queued work is dropped, and the
+        communicators are released first, so that a stream blocked in a collective with a lost peer errors out
+        now instead of at the collective's timeout."""
         if msg.error is not None:
-            # a peer or the controller failed: release the communicators first, so that a stream blocked in a
-            # collective with a lost peer errors out now instead of at the collective's timeout
-            logger.warning("dask_monarch session %s rank %d exits with error: %s", self.session_id, self.rank,
-                           msg.error[1])
-            self.comms.shutdown()
+            self.fail(f"the controller ended the session: {msg.error[1]}")
         self.flush_streams()
         self.close(join_timeout=10.0 if msg.error is None else 1.0)
 
