@@ -61,10 +61,9 @@ def mesh2x2(client4):
     mesh._session.closed or _quiet_exit(mesh)
 
 
-@pytest.fixture
-def cli_cluster_procs(tmp_path):
-    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines: yields
-    the scheduler address and the processes (scheduler first), so a test can signal them."""
+def _cli_cluster(tmp_path, worker_args=((), ())):
+    """Start a scheduler and one worker per entry of ``worker_args`` (extra ``dask worker`` arguments) with the
+    command lines; yield the scheduler address and the processes (scheduler first); stop them."""
     scheduler_file = tmp_path / "scheduler.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     bindir = os.path.dirname(sys.executable)
@@ -78,9 +77,9 @@ def cli_cluster_procs(tmp_path):
         while not scheduler_file.exists() and time.time() < deadline:
             time.sleep(0.2)
         address = json.loads(scheduler_file.read_text())["address"]
-        for _ in range(2):
+        for extra in worker_args:
             procs.append(subprocess.Popen(
-                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"],
+                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard", *extra],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
         yield address, procs
@@ -92,6 +91,28 @@ def cli_cluster_procs(tmp_path):
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.fixture
+def cli_cluster_procs(tmp_path):
+    """A scheduler and two workers started with the ``dask scheduler`` / ``dask worker`` command lines: yields
+    the scheduler address and the processes (scheduler first), so a test can signal them."""
+    yield from _cli_cluster(tmp_path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fixed_port_cli_cluster(tmp_path):
+    """Like ``cli_cluster_procs``, but each worker has a fixed port (as in many deployments): a worker its nanny
+    restarts comes back at the same address."""
+    yield from _cli_cluster(tmp_path, [("--worker-port", str(_free_port())) for _ in range(2)])
 
 
 @pytest.fixture

@@ -241,3 +241,30 @@ def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
         mesh.exit()  # reported once: a second exit is quiet
     finally:
         os.kill(victim_pid, signal.SIGCONT)
+
+
+def test_worker_restarted_at_the_same_address_fails_the_session_naming_it(fixed_port_cli_cluster):
+    """With fixed worker ports the nanny brings a killed worker back at the same address: the scheduler lists it
+    again, but the session's state there is gone, and the fetch's status task (rerun there) would wait forever
+    for batches that went to the dead process."""
+    address, procs = fixed_port_cli_cluster
+    client = Client(address, set_as_default=False)
+    try:
+        client.wait_for_workers(2, timeout=60)
+        mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=10)
+        x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+        assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+        future = dm.fetch_shard(dm.remote(slow_add)(x), dp=1)
+        time.sleep(1)
+        victim = mesh.workers[1]
+        os.kill(client.run(os.getpid)[victim], signal.SIGKILL)  # (this module is not importable there)
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) (was restarted|left the cluster)"):
+            future.result(timeout=120)
+        assert time.monotonic() - start < 60
+        mesh.exit()
+        client.wait_for_workers(2, timeout=60)
+        with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
+            assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+    finally:
+        client.close()

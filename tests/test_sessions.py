@@ -206,3 +206,21 @@ def test_exit_from_several_threads_at_once_is_quiet(client2):
         for t in threads:
             t.join(120)
         assert outcomes == ["ok"] * 3
+
+
+def test_tensors_and_meshes_used_after_exit_raise_session_closed(client1):
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    with mesh.activate():
+        x = dm.remote(fill)(1)
+    sub = mesh.slice(workers=0)
+    mesh.exit()
+    for use in (
+        lambda: dm.fetch_shard(x),
+        lambda: dm.remote(torch.add)(x, 1),
+        lambda: x.reduce("workers"),
+        lambda: mesh.rank("workers"),
+        lambda: dm.remote(fill)(sub),
+    ):
+        with pytest.raises(dm.SessionError, match=r"is closed \(mesh.exit\(\) was called\)"):
+            use()
+    mesh.exit()  # a second exit is a no-op

@@ -176,6 +176,7 @@ class Session:
         self.flush_interval = flush_interval
         self.liveness_interval = liveness_interval
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
         options = {"comm_timeout": float(comm_timeout)}
         self.params = [SessionParams(self.id, r, self.world_size, options) for r in range(self.world_size)]
         self.lock = threading.RLock()
@@ -455,10 +456,11 @@ class Session:
         except Exception as e:
             return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
 
-    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float]:
-        """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval), from the
-        scheduler, bounded by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may
-        take seconds to answer, and a silent scheduler is judged like a silent worker)."""
+    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float, dict]:
+        """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval; the id
+        of each worker's process, or None), from the scheduler, bounded by ``timeout`` (default
+        ``heartbeat_timeout``: a scheduler busy with a large graph may take seconds to answer, and a silent
+        scheduler is judged like a silent worker)."""
         timeout = self.heartbeat_timeout if timeout is None else timeout
         answer = self.client.sync(
             self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
@@ -466,16 +468,35 @@ class Session:
         if answer is None:  # the scheduler runs an older dask_monarch without the handler: membership only
             info = self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
             known = info.get("workers", {})
-            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0
-        return answer["ages"], float(answer["interval"])
+            ids = {a: known[a].get("id") if a in known else None for a in self.workers}
+            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0, ids
+        return answer["ages"], float(answer["interval"]), answer.get("ids", {})
 
-    def _unhealthy(self, ages: dict, interval: float) -> str:
-        """The ranks whose worker left the cluster, else those silent for more than ``heartbeat_timeout`` (and
-        ten heartbeat intervals), as text; empty if all look alive."""
+    def pin_workers(self) -> None:
+        """Remember the process behind each rank's address (the scheduler's worker id), so that one restarted
+        at the same address (fixed ports: the nanny brings it back there) is told apart from it."""
+        try:
+            self._worker_ids = dict(self._worker_ages()[2])
+        except Exception:
+            self._worker_ids = None  # the first liveness check pins them
+
+    def _unhealthy(self, ages: dict, interval: float, ids: dict | None = None) -> str:
+        """The ranks whose worker left the cluster or was restarted, else those silent for more than
+        ``heartbeat_timeout`` (and ten heartbeat intervals), as text; empty if all look alive."""
         gone = [(r, a) for r, a in enumerate(self.workers) if ages.get(a, 0.0) is None]
         if gone:
             names = ", ".join(f"rank {r} ({a})" for r, a in gone)
             return f"worker(s) left the cluster: {names}"
+        pinned = self._worker_ids
+        if ids and pinned is None:
+            self._worker_ids = pinned = dict(ids)
+        if ids and pinned:
+            new = [(r, a) for r, a in enumerate(self.workers)
+                   if ids.get(a) and pinned.get(a) and ids.get(a) != pinned.get(a)]
+            if new:
+                names = ", ".join(f"rank {r} ({a})" for r, a in new)
+                return (f"{names} was restarted (a new worker process at the same address): the session's state "
+                        "there is gone")
         limit = max(self.heartbeat_timeout, 10 * interval)
         stale = [(r, a, ages[a]) for r, a in enumerate(self.workers) if (ages.get(a) or 0.0) > limit]
         if stale:
@@ -491,12 +512,12 @@ class Session:
         if self.failure is not None:
             raise self.failure
         try:
-            ages, interval = self._worker_ages()
+            ages, interval, ids = self._worker_ages()
         except Exception as e:
             err = SessionError(f"session {self.id}: the Dask scheduler is unreachable: {type(e).__name__}: {e}")
             self._fail(err)
             raise err from None
-        problem = self._unhealthy(ages, interval)
+        problem = self._unhealthy(ages, interval, ids)
         if problem:
             err = SessionError(f"session {self.id}: {problem}; the mesh cannot continue")
             self._fail(err)

@@ -124,14 +124,17 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
 
     def worker_ages(self, workers: list) -> dict:
         """Liveness of ``workers`` as the scheduler sees it: ``ages`` maps each address to the seconds since its
-        last heartbeat (None if it is not in the cluster); ``interval`` is the heartbeat interval the scheduler
-        asks of its workers now. Measured on the scheduler's clock, so the controller's clock does not matter."""
+        last heartbeat (None if it is not in the cluster), ``ids`` to the id of the worker process there (a
+        worker restarted at the same address has a new one); ``interval`` is the heartbeat interval the
+        scheduler asks of its workers now. Measured on the scheduler's clock, so the controller's does not
+        matter."""
         now = dask_time()  # the clock of WorkerState.last_seen
-        ages = {}
+        ages, ids = {}, {}
         for address in workers:
             ws = self.scheduler.workers.get(address)
             ages[address] = None if ws is None else max(0.0, now - ws.last_seen)
-        return {"ages": ages, "interval": heartbeat_interval(len(self.scheduler.workers))}
+            ids[address] = None if ws is None else ws.server_id
+        return {"ages": ages, "ids": ids, "interval": heartbeat_interval(len(self.scheduler.workers))}
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}
