@@ -42,18 +42,24 @@ TARGET = 50_000
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
 
 
+DEVICE = "cpu"  # --device: where the tiny ops run (the workers' own GPU with "cuda")
+
+
 def small_tensor(mesh) -> torch.Tensor:
-    return torch.ones(4)
+    return torch.ones(4, device=DEVICE)
 
 
 def local_add_rate(n: int = 100_000) -> float:
-    """Eager baseline: the same op on the same tensors in a loop in this process (ops/s, best of 5)."""
-    a, b, op = torch.ones(4), torch.ones(4), torch.ops.aten.add.Tensor
+    """Eager baseline: the same op on the same tensors in a loop in this process (ops/s, best of 5; on GPU
+    until the device has run them)."""
+    a, b, op = torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE), torch.ops.aten.add.Tensor
     best = 0.0
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(n):
             op(a, b)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         best = max(best, n / (time.perf_counter() - t0))
     return best
 
@@ -241,9 +247,10 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
         optimizer.step()
 
     with mesh.activate():
-        model = ex["MLP"]()
+        with torch.device(DEVICE):
+            model = ex["MLP"]()
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=ex["MOMENTUM"])
-        x, y, _, _ = dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed)
+        x, y, _, _ = (t.to(DEVICE) for t in dm.remote(ex["load_shard"], propagate=ex["load_shard_shapes"])(mesh, seed))
         n_rows = x.shape[0]
 
         def run(count: int, offset: int = 0) -> None:
@@ -270,7 +277,9 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
     digits = load_digits()
     lx = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     ly = torch.tensor(digits.target, dtype=torch.int64)
-    model = ex["MLP"]()
+    lx, ly = lx.to(DEVICE), ly.to(DEVICE)
+    with torch.device(DEVICE):
+        model = ex["MLP"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=ex["MOMENTUM"])
     global_batch = world * batch
     local_rates = []
@@ -434,7 +443,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small counts, one repeat")
     parser.add_argument("--profile", action="store_true", help="add a per-message breakdown (in-process worker)")
     parser.add_argument("--scheduler", default=None, help="address of an existing cluster (default: embedded)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="run the tiny ops of (a) and (b) on the workers' GPUs (and locally on this GPU)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     n_raw, n_remote, n_steps, repeats = (20_000, 2_000, 30, 1) if args.quick else (200_000, 10_000, 100, 3)
 
     from distributed import Client
@@ -488,7 +501,7 @@ def main(argv=None) -> None:
         (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
          f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
     ]
-    mode = "quick" if args.quick else "full"
+    mode = ("quick" if args.quick else "full") + f", tiny ops on {DEVICE}"
     print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.1f}; median of {repeats})")
     print(f"{'case':<44}{'through the mesh':>18}{'local eager':>20}{'ratio':>9}")

@@ -23,7 +23,21 @@ def default_worker_count() -> int:
 
 def start_local_cluster(n_workers: int, **kwargs) -> LocalCluster:
     """A ``LocalCluster`` of ``n_workers`` single-threaded worker processes (each under a nanny, started with
-    spawn, so CUDA is safe). Extra keyword arguments go to ``LocalCluster``."""
+    spawn, so CUDA is safe). With GPUs, worker ``i`` gets ``CUDA_VISIBLE_DEVICES`` rotated to start at GPU
+    ``i`` (as dask-cuda does), so its own GPU is device 0 and every GPU stays visible. Extra keyword arguments
+    go to ``LocalCluster``."""
     options = dict(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0")
     options.update(kwargs)
-    return LocalCluster(**options)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return LocalCluster(**options)
+    options["n_workers"] = 0
+    cluster = LocalCluster(**options)
+    spec = dict(cluster.new_worker_spec())
+    template = next(iter(spec.values()))
+    for i in range(n_workers):
+        rotated = ",".join(str((i + k) % gpus) for k in range(gpus))
+        worker_options = {**template.get("options", {}), "env": {"CUDA_VISIBLE_DEVICES": rotated}}
+        cluster.worker_spec[f"gpu{i}"] = {**template, "options": worker_options}
+    cluster.sync(cluster._correct_state)
+    return cluster

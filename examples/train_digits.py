@@ -119,14 +119,15 @@ def progress_bar(epochs: int, enabled: bool | None):
 
 
 def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: float,
-          progress: bool | None = None) -> float:
+          progress: bool | None = None, device: str = "cpu") -> float:
     """Train on ``mesh`` and return the test accuracy. ``progress``: show a progress bar per epoch (None: on a
-    terminal)."""
+    terminal). ``device``: where the workers compute ("cuda": each worker's own GPU)."""
     with mesh.activate():  # from here on every torch operation runs on every rank of the mesh
         dm.remote(torch.manual_seed, propagate="inspect")(seed)  # the same initial parameters on every rank
-        model = MLP()
+        with torch.device(device):  # parameters made on the workers' GPUs (or CPUs) directly
+            model = MLP()
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
-        x, y, x_test, y_test = dm.remote(load_shard, propagate=load_shard_shapes)(mesh, seed)
+        x, y, x_test, y_test = (t.to(device) for t in dm.remote(load_shard, propagate=load_shard_shapes)(mesh, seed))
         steps = x.shape[0] // batch_size
         bar = progress_bar(epochs, progress)
 
@@ -174,6 +175,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--batch-size", type=int, default=16, help="training rows per rank per step")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the workers compute: cuda uses each worker's own GPU")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar per epoch on stderr (default: when stderr is a terminal)")
     args = parser.parse_args(argv)
@@ -183,7 +186,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     with dm.attach(args.scheduler, dims={"dp": args.workers}) as mesh:
         print(f"attached to {mesh!r} in {time.perf_counter() - start:.1f} s", flush=True)
-        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start, args.progress)
+        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start, args.progress, args.device)
     print(f"test_accuracy={accuracy:.4f}")
 
 

@@ -99,7 +99,8 @@ def pack_leaves(leaves: list, where: str) -> list | None:
             continue
         if packed is None:
             packed = list(leaves)
-        packed[i] = PickledValue.of(x, where)
+        with propagating():  # pickling a local value (a local tensor, say) is local work, not mesh ops
+            packed[i] = PickledValue.of(x, where)
     return packed
 
 
@@ -123,7 +124,8 @@ class Remote:
     @property
     def function(self):
         if self._function is None:
-            self._function = function_of(self._fn)
+            with propagating():  # pickling fn (and the tensors it holds) is local work, not mesh ops
+                self._function = function_of(self._fn)
         return self._function
 
     def _shapes(self, *args, **kwargs):

@@ -63,7 +63,31 @@ logger = logging.getLogger("dask_monarch.controller")
 DEFAULT_STREAM = StreamRef(0)
 
 
+def _local_ranks(workers: list[str]) -> list[int]:
+    """Each rank's position among the session's ranks on the same host (which GPU it takes when its worker sees
+    every GPU of the host; ``worker/device.py``)."""
+    from distributed.comm import get_address_host
+
+    seen: dict = {}
+    local = []
+    for address in workers:
+        try:
+            host = get_address_host(address)
+        except Exception:
+            host = address
+        local.append(seen.get(host, 0))
+        seen[host] = local[-1] + 1
+    return local
+
+
 def _dumps(messages: list) -> bytes:
+    from .dispatch import propagating  # local tensors among the arguments pickle locally, not as mesh ops
+
+    with propagating():
+        return _dumps_plain(messages)
+
+
+def _dumps_plain(messages: list) -> bytes:
     try:
         return pickle.dumps(messages, protocol=5)
     except Exception:
@@ -178,7 +202,10 @@ class Session:
         self.heartbeat_timeout = float(heartbeat_timeout)
         self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
         options = {"comm_timeout": float(comm_timeout)}
-        self.params = [SessionParams(self.id, r, self.world_size, options) for r in range(self.world_size)]
+        self.params = [
+            SessionParams(self.id, r, self.world_size, {**options, "local_rank": local}) for r, local in
+            enumerate(_local_ranks(self.workers))
+        ]
         self.lock = threading.RLock()
         self.history = History(self.world_size)
         self.failure: SessionError | None = None

@@ -77,7 +77,11 @@ class Comms:
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
+                if hasattr(opts, "bound_device_id"):  # eager init on this worker's GPU (spec §5)
+                    opts.bound_device_id = self.device
                 group = dist.ProcessGroupNCCL(store, group_rank, len(members), opts)
+                if hasattr(group, "eager_connect_single_device"):
+                    group.eager_connect_single_device(self.device)
             else:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_host(self.worker.address))]
@@ -174,10 +178,14 @@ def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
 _BITWISE = (Reduction.Band, Reduction.Bor, Reduction.Bxor)
 
 
-def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype) -> str | None:
-    """Why ``backend`` cannot run ``reduction`` over ``dtype`` tensors, or None. Decided from the Reduce's
-    factory, so every rank decides the same and they skip the collective together (gloo itself fails these on
-    every rank only after the exchange, as 'result type Float can't be cast...' or 'Invalid scalar type')."""
+def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype, device: torch.device | None = None) -> str | None:
+    """Why ``backend`` cannot run ``reduction`` over ``dtype`` tensors on ``device``, or None. Decided from the
+    Reduce's factory, so every rank decides the same and they skip the collective together (gloo itself fails
+    these on every rank only after the exchange, as 'result type Float can't be cast...' or 'Invalid scalar
+    type'; NCCL refuses tensors that are not on a GPU)."""
+    if backend == "nccl" and device is not None and device.type != "cuda":
+        return (f"nccl reduces CUDA tensors, and this one is on {device}: move it to the GPU first "
+                "(e.g. t.to('cuda'), or create it with device='cuda')")
     if reduction in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
         why = f"{reduction.value} needs an integer or bool dtype"
     elif backend == "gloo" and reduction is Reduction.Avg and not (dtype.is_floating_point or dtype.is_complex):
@@ -212,7 +220,11 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             if in_place:
                 raise CommError("in-place, non-scatter not supported for stack reduce")
             output = out if out is not None else tensor.new_empty((size, *tensor.shape))
-            _wait(group.allgather([list(output.unbind(0))], [tensor.contiguous()]), "all-gather", members, comms)
+            if tensor.is_cuda and output.is_contiguous():  # NCCL gathers into one flat buffer
+                work = group._allgather_base(output, tensor.contiguous())
+            else:
+                work = group.allgather([list(output.unbind(0))], [tensor.contiguous()])
+            _wait(work, "all-gather", members, comms)
             return output
         opts_op = _OPS[reduction]
         if scatter:
@@ -235,7 +247,10 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             output = tensor.clone()
         opts = dist.AllreduceOptions()
         opts.reduceOp = opts_op
-        _wait(group.allreduce([output], opts), "all-reduce", members, comms)
+        dense = output if output.is_contiguous() else output.contiguous()
+        _wait(group.allreduce([dense], opts), "all-reduce", members, comms)
+        if dense is not output:
+            output.copy_(dense)
         return output
     except CommError:
         raise

@@ -37,6 +37,7 @@ from ..protocol import (
 )
 from ..protocol.function import TEST_PANIC
 from . import comm
+from .device import pin
 from .errors import DependentError, FatalError, SeqError
 
 __all__ = ["StreamWorker", "StatusBarrier"]
@@ -125,8 +126,10 @@ class StatusBarrier:
 
 
 class StreamWorker:
-    """Stream ``ref`` of ``tensor_worker``. ``creation`` is the ``StreamCreationMode`` (a CUDA stream on GPU
-    workers, in a later issue; CPU work runs on the thread)."""
+    """Stream ``ref`` of ``tensor_worker``. ``creation`` is the ``StreamCreationMode``: on a GPU worker the
+    device's current stream (``UseDefaultStream``) or a new ``torch.cuda.Stream`` (``CreateNewStream``), made on
+    this stream's thread and current there, so every op of the stream is issued into it and the host does not
+    wait (spec §4). On CPU the work runs on the thread."""
 
     def __init__(self, tensor_worker, ref: StreamRef, creation: StreamCreationMode):
         self.tw = tensor_worker
@@ -139,6 +142,7 @@ class StreamWorker:
         #: difference is the stream's backlog (``worker/metrics.py``)
         self.enqueued = 0
         self.applied = 0
+        self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
         )
@@ -166,8 +170,23 @@ class StreamWorker:
         return self._queue.qsize()
 
     # ------------------------------------------------------------------------------------------- stream thread
+    def _start_device(self) -> None:
+        device = self.tw.device
+        pin(device)
+        if device.type == "cuda":
+            if self.creation is StreamCreationMode.CreateNewStream:
+                self.cuda_stream = torch.cuda.Stream(device)
+            else:
+                self.cuda_stream = torch.cuda.current_stream(device)
+            torch.cuda.set_stream(self.cuda_stream)
+
     def _run(self) -> None:
         tw = self.tw
+        try:
+            self._start_device()
+        except Exception:
+            tw.fail(f"stream {self.ref.id}: could not start on {tw.device}\n{traceback.format_exc()}")
+            return
         get = self._queue.get
         handlers = {
             CallFunction: self.call_function,
@@ -420,7 +439,7 @@ class StreamWorker:
                 problem = _mismatch(out, _reduce_shape(factory.size, msg.reduction, msg.scatter, size), factory.dtype)
                 if problem is not None:
                     error, out = error or self._reduce_error(msg, dims, f"out {msg.out} {problem}"), None
-        refused = comm.unsupported(self.tw.comms.backend, msg.reduction, factory.dtype)
+        refused = comm.unsupported(self.tw.comms.backend, msg.reduction, factory.dtype, factory.device)
         try:
             if refused is not None:  # every rank refuses alike (the factory is the same): nobody waits
                 output = None

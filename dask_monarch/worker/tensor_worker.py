@@ -56,6 +56,7 @@ from ..protocol import (
     validate,
 )
 from .comm import CommError, Comms
+from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox
@@ -107,7 +108,7 @@ class TensorWorker:
         self.world_size = world_size
         address = getattr(worker, "address", "local")
         self.actor_id = f"{address}/{session_id[:8]}/rank{rank}"
-        self.device = torch.device("cpu")
+        self.device = select_device(int(options.get("local_rank", 0)))
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
         self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
@@ -160,6 +161,7 @@ class TensorWorker:
 
     # ------------------------------------------------------------------------------------------- dispatcher loop
     def _run(self) -> None:
+        pin(self.device)
         while True:
             segments = self.inbox.get()
             if segments is None:

@@ -1,0 +1,138 @@
+"""All-reduce bus bandwidth through dask_monarch's ``Reduce`` against raw ``torch.distributed`` NCCL, measured in
+one run on the same GPUs (issue 4; DESIGN.md "Performance design").
+
+Raw: one process per GPU, ``init_process_group("nccl")``, ``all_reduce`` in a loop. dask_monarch: an embedded
+cluster of one worker per GPU, a tensor on each worker's GPU, and in-place ``Reduce`` messages sent back to back
+(the message is built once; each send costs the controller about a microsecond, so the collective, not the
+controller, is what is timed), finished by a fetch (which waits for the GPU). Bus bandwidth is
+``2 (n - 1) / n * bytes / time``, as nccl-tests report it.
+
+    python bench/allreduce.py            # 1 MiB to 1 GiB on every visible GPU
+    python bench/allreduce.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES_MIB = [1, 4, 16, 64, 256, 1024]
+
+
+def _iters(seconds_each: float, quick: bool) -> int:
+    """Enough iterations for about 0.25 s (quick) or 1 s of collectives, so that the one fetch that ends a
+    dask_monarch run (a few milliseconds through Dask) is a small part of it."""
+    return max(20, int((0.25 if quick else 1.0) / seconds_each))
+
+
+def _raw_worker(rank: int, world: int, port: int, sizes, quick: bool, queue) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    results = {}
+    for mib in sizes:
+        x = torch.ones(mib << 18, device="cuda")  # float32: 4 bytes each
+        for _ in range(5):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        n = _iters((time.perf_counter() - t0) / 10, quick)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        results[mib] = ((time.perf_counter() - t0) / n, n)
+        if rank == 0:
+            print(f"  raw {mib} MiB: {n} all-reduces, {results[mib][0] * 1e6:.0f} us each", flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put(results)
+
+
+def raw(world: int, sizes, quick: bool) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_raw_worker, args=(r, world, port, sizes, quick, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=900)
+    for p in procs:
+        p.join(60)
+    return results
+
+
+def through_reduce(world: int, sizes, iterations: dict) -> dict:
+    import dask_monarch as dm
+    from dask_monarch.controller.session import DEFAULT_STREAM
+    from dask_monarch.protocol import Factory, Reduce, Reduction
+
+    results = {}
+    with dm.attach(dims={"gpu": world}, comm_timeout=300) as mesh:
+        session = mesh._session
+        for mib in sizes:
+            with mesh.activate():
+                x = torch.ones(mib << 18, device="cuda")
+                x.reduce_("gpu", "sum")  # BackendNetworkInit, SplitComm, and a first collective
+            dm.inspect(x[:1])
+            msg = Reduce(x.ref, x.ref, Factory((mib << 18,), torch.float32, torch.strided, x.device),
+                         mesh.define_remotely(), DEFAULT_STREAM, ["gpu"], Reduction.Sum, False, True, None)
+            for _ in range(5):
+                session.send(msg, mesh._rank_list)
+            head = x[:1]
+            dm.inspect(head)
+            t0 = time.perf_counter()
+            dm.inspect(head)  # the fixed cost of the fetch that ends the timed run, measured alone
+            fetch = time.perf_counter() - t0
+            n = iterations[mib]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                session.send(msg, mesh._rank_list)
+            dm.inspect(head)  # the fetch copies to the CPU after the stream's collectives: the GPU is done
+            total = time.perf_counter() - t0
+            results[mib] = (total / n, max(total - fetch, total / 2) / n)
+            print(f"  dask_monarch {mib} MiB: {n} reduces in {total:.3f} s (fetch alone {fetch * 1e3:.1f} ms)", flush=True)
+            del x, head
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations, sizes up to 256 MiB")
+    args = parser.parse_args(argv)
+    world = torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit("needs at least 2 CUDA devices")
+    sizes = SIZES_MIB[:-1] if args.quick else SIZES_MIB
+    base = raw(world, sizes, args.quick)
+    ours = through_reduce(world, sizes, {mib: n for mib, (_, n) in base.items()})
+    factor = 2 * (world - 1) / world
+    print(f"\nall-reduce bus bandwidth, {world} x {torch.cuda.get_device_name(0)}, float32, in place "
+          f"(torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
+    print("dask_monarch: back-to-back Reduce messages ended by one fetch; 'steady' leaves out that fetch's fixed "
+          "cost, measured alone just before")
+    print(f"{'size':>9}{'iters':>7}{'raw torch.distributed':>23}{'dask_monarch Reduce':>21}{'ratio':>7}"
+          f"{'steady':>13}{'ratio':>7}")
+    for mib in sizes:
+        nbytes = mib << 20
+        t_raw, n = base[mib]
+        t_ours, t_steady = ours[mib]
+        b_raw, b_ours, b_steady = (factor * nbytes / t / 1e9 for t in (t_raw, t_ours, t_steady))
+        print(f"{mib:>6} MiB{n:>7}{b_raw:>17.1f} GB/s{b_ours:>15.1f} GB/s{b_ours / b_raw:>7.3f}"
+              f"{b_steady:>8.1f} GB/s{b_steady / b_raw:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

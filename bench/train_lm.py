@@ -1,0 +1,197 @@
+"""A data-parallel training step of a small transformer language model through dask_monarch against the same step
+in a plain ``torch.distributed`` script, on the same GPUs, in one run (issue 4).
+
+Both run the same three functions per step on every GPU: ``lm_grad`` (synthetic tokens, forward and backward in
+bf16 autocast, the gradient of the flat fp32 parameters), an all-reduce average of the gradient, and ``lm_update_``
+(SGD with momentum, in place). dask_monarch sends them as two ``CallFunction`` messages and one ``Reduce`` per step
+and never waits until the final fetch; the script calls them directly with ``dist.all_reduce``.
+
+    python bench/train_lm.py             # 8 layers, d_model 1024, 8 x 1024 tokens per GPU
+    python bench/train_lm.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+_MODELS: dict = {}
+
+
+class LM(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        mask = torch.full((seq, seq), float("-inf"), device=tokens.device).triu(1)
+        h = self.blocks(self.embed(tokens), mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def _skeleton(cfg: tuple) -> nn.Module:
+    """The model's structure on the meta device, built once per process; parameters come from the flat tensor."""
+    model = _MODELS.get(cfg)
+    if model is None:
+        with torch.device("meta"):
+            model = LM(*cfg[:4])
+        _MODELS[cfg] = model
+    return model
+
+
+def _views(model: nn.Module, flat: torch.Tensor) -> dict:
+    views, start = {}, 0
+    for name, p in model.named_parameters():
+        views[name] = flat[start:start + p.numel()].view(p.shape)
+        start += p.numel()
+    return views
+
+
+def lm_init(cfg: tuple, seed: int):
+    """Flat fp32 parameters (the same on every rank) and a zero momentum buffer, on this worker's GPU."""
+    model = _skeleton(cfg)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    parts = [torch.randn(p.numel(), device="cuda", generator=g) * (0.02 if p.dim() > 1 else 0.0)
+             for _, p in model.named_parameters()]
+    flat = torch.cat(parts)
+    return flat, torch.zeros_like(flat)
+
+
+def lm_grad(flat: torch.Tensor, cfg: tuple, step: int, rank: int):
+    """Gradient of the next-token loss on a synthetic batch (seeded by step and rank), and the loss."""
+    vocab, _, _, _, batch, seq = cfg
+    model = _skeleton(cfg)
+    g = torch.Generator(device="cuda").manual_seed(1_000_003 * step + int(rank))
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=g)
+    p = flat.detach().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = torch.func.functional_call(model, _views(model, p), (tokens[:, :-1],))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    (grad,) = torch.autograd.grad(loss, p)
+    return grad, loss.detach()
+
+
+def lm_update_(flat: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+    momentum.mul_(0.9).add_(grad)
+    flat.sub_(momentum, alpha=lr)
+
+
+def _shapes_init(cfg, seed):
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LM(*cfg[:4]).parameters())
+    return torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+
+
+def _shapes_grad(flat, cfg, step, rank):
+    return torch.empty_like(flat), torch.empty((), device="cuda")
+
+
+# ------------------------------------------------------------------------------------------- plain script
+def _raw_worker(rank: int, world: int, port: int, cfg: tuple, steps: int, queue) -> None:
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    flat, momentum = lm_init(cfg, 0)
+
+    def step(i: int):
+        grad, loss = lm_grad(flat, cfg, i, rank)
+        dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+        lm_update_(flat, momentum, grad, 1e-3)
+        return loss
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(100 + i)
+    loss = loss.item()
+    elapsed = time.perf_counter() - t0
+    dist.destroy_process_group()
+    if rank == 0:
+        queue.put((steps / elapsed, loss))
+
+
+def raw(world: int, cfg: tuple, steps: int):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_raw_worker, args=(r, world, port, cfg, steps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=1200)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- dask_monarch
+def through_mesh(world: int, cfg: tuple, steps: int):
+    import dask_monarch as dm
+
+    with dm.attach(dims={"dp": world}, comm_timeout=600) as mesh:
+        init = dm.remote(lm_init, propagate=_shapes_init)
+        grad_of = dm.remote(lm_grad, propagate=_shapes_grad)
+        update_ = dm.remote(lm_update_)
+        with mesh.activate():
+            flat, momentum = init(cfg, 0)
+            rank = mesh.rank("dp")
+
+            def step(i: int):
+                grad, loss = grad_of(flat, cfg, i, rank)
+                grad.reduce_("dp", "avg")
+                update_(flat, momentum, grad, 1e-3)
+                return loss
+
+            for i in range(3):
+                step(i)
+        dm.inspect(flat[:1])
+        t0 = time.perf_counter()
+        with mesh.activate():
+            for i in range(steps):
+                loss = step(100 + i)
+        loss = dm.inspect(loss).item()
+        elapsed = time.perf_counter() - t0
+    return steps / elapsed, loss
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model, fewer steps")
+    args = parser.parse_args(argv)
+    world = torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit("needs at least 2 CUDA devices")
+    # vocab, d_model, layers, heads, batch per GPU, sequence length
+    cfg = (32000, 512, 4, 8, 8, 512) if args.quick else (32000, 1024, 8, 16, 8, 1024)
+    steps = 10 if args.quick else 30
+    n_params = sum(p.numel() for p in _skeleton(cfg).parameters())
+    _MODELS.clear()  # the functions travel by value with their globals: send them without the skeleton
+    base_rate, base_loss = raw(world, cfg, steps)
+    ours_rate, ours_loss = through_mesh(world, cfg, steps)
+    print(f"\ntransformer LM data-parallel training step, {world} x {torch.cuda.get_device_name(0)} "
+          f"({n_params / 1e6:.0f}M parameters, {cfg[4]} x {cfg[5]} tokens per GPU, bf16 autocast; torch {torch.__version__})")
+    print(f"{'':28}{'steps/s':>10}{'ms/step':>10}{'last loss':>11}")
+    print(f"{'plain torch.distributed':28}{base_rate:>10.2f}{1e3 / base_rate:>10.1f}{base_loss:>11.4f}")
+    print(f"{'dask_monarch':28}{ours_rate:>10.2f}{1e3 / ours_rate:>10.1f}{ours_loss:>11.4f}")
+    print(f"ratio (dask_monarch / plain): {ours_rate / base_rate:.3f}")
+    assert math.isfinite(ours_loss)
+
+
+if __name__ == "__main__":
+    main()
