@@ -18,13 +18,13 @@ import torch
 import dask_monarch as dm
 from dask_monarch.protocol import (
     ArgsKwargs,
-    BorrowCreate,
     CallFunction,
     CreateDeviceMesh,
     CreateStream,
     Factory,
     FunctionPath,
     GetRefUnitTestsOnly,
+    PipeRecv,
     ProtocolError,
     Reduce,
     Reduction,
@@ -193,8 +193,8 @@ def test_second_write_to_a_result_ref_fails_the_session(mesh1, client1, worker_p
 
 def test_variant_not_implemented_yet_fails_the_session(mesh1, client1, worker_pids):
     session = mesh1._session
-    error = fails_fatally(mesh1, BorrowCreate(session.new_ref(), 0, session.new_ref(), ST0, ST0))
-    assert "not implemented yet: BorrowCreate" in str(error)
+    error = fails_fatally(mesh1, PipeRecv(session.new_seq(), [session.new_ref()], session.new_ref(), ST0))
+    assert "not implemented yet: PipeRecv" in str(error)
     assert_cluster_serves(client1)
 
 

@@ -37,6 +37,7 @@ from ..protocol import (
 )
 from ..protocol.function import TEST_PANIC
 from . import comm
+from .borrow import BorrowStep, SessionOver
 from .device import pin
 from .errors import DependentError, FatalError, SeqError
 
@@ -196,6 +197,7 @@ class StreamWorker:
             SetRefUnitTestsOnly: self.set_ref,
             GetRefUnitTestsOnly: self.get_ref,
             StatusBarrier: StatusBarrier.arrive,
+            BorrowStep: self.borrow_step,
         }
         while True:
             items = get()
@@ -209,6 +211,8 @@ class StreamWorker:
                         break
                     handlers[type(msg)](msg)
                     self.applied += 1
+            except SessionOver:
+                return
             except FatalError as e:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
@@ -373,6 +377,10 @@ class StreamWorker:
             err = self._root_error(msg.seq)
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
+
+    def borrow_step(self, step: BorrowStep) -> None:
+        """A step of a borrow (``Borrow.lend``, ``first_use``, ``last_use``, ``drop``; ``worker/borrow.py``)."""
+        step.fn(self)
 
     def delete_refs(self, msg) -> None:
         """``DeleteRefs``: drop what this stream has; missing refs are ignored (spec §2)."""

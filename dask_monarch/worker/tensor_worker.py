@@ -55,6 +55,7 @@ from ..protocol import (
     WorkerError,
     validate,
 )
+from .borrow import Borrow, BorrowStep
 from .comm import CommError, Comms
 from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
@@ -111,6 +112,7 @@ class TensorWorker:
         self.device = select_device(int(options.get("local_rank", 0)))
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
+        self.borrows: dict[int, Borrow] = {}
         self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
         self.inbox = Inbox()
         self.outbox: collections.deque = collections.deque()
@@ -134,10 +136,10 @@ class TensorWorker:
             CreateStream: self.create_stream,
             CreateDeviceMesh: self.create_device_mesh,
             CreateRemoteProcessGroup: self.not_implemented,
-            BorrowCreate: self.not_implemented,
-            BorrowFirstUse: self.not_implemented,
-            BorrowLastUse: self.not_implemented,
-            BorrowDrop: self.not_implemented,
+            BorrowCreate: self.borrow_create,
+            BorrowFirstUse: self.borrow_first_use,
+            BorrowLastUse: self.borrow_last_use,
+            BorrowDrop: self.borrow_drop,
             DeleteRefs: self.delete_refs,
             RequestStatus: self.request_status,
             Reduce: self.reduce,
@@ -340,6 +342,41 @@ class TensorWorker:
             self.device_meshes[msg.result.id] = DeviceMesh(msg.names, msg.ranks, self.rank)
         except MeshError as e:
             raise FatalError(str(e)) from None
+
+    def borrow_create(self, msg: BorrowCreate) -> None:
+        """Open borrow ``msg.borrow``: the from stream hands ``msg.tensor`` over (spec §4 "Create")."""
+        if msg.borrow in self.borrows:
+            raise FatalError(f"BorrowCreate: duplicate borrow id {msg.borrow} ({self.borrows[msg.borrow]!r} is live)")
+        lender = self._stream(msg.from_stream, f"BorrowCreate {msg.borrow} from_stream")
+        borrower = self._stream(msg.to_stream, f"BorrowCreate {msg.borrow} to_stream")
+        borrow = Borrow(msg.borrow, msg.tensor, msg.result, lender, borrower, self.comms.timeout)
+        self.borrows[msg.borrow] = borrow
+        lender.enqueue(BorrowStep(borrow.lend))
+
+    def borrow_first_use(self, msg: BorrowFirstUse) -> None:
+        """The to stream takes the borrowed tensor as ``result`` once the from stream handed it over (spec §4)."""
+        borrow = self._borrow(msg.borrow, "BorrowFirstUse")
+        borrow.advance("BorrowFirstUse")
+        borrow.borrower.enqueue(BorrowStep(borrow.first_use))
+
+    def borrow_last_use(self, msg: BorrowLastUse) -> None:
+        """The to stream removes ``result`` and hands it back (spec §4 "LastUse")."""
+        borrow = self._borrow(msg.borrow, "BorrowLastUse")
+        borrow.advance("BorrowLastUse")
+        borrow.borrower.enqueue(BorrowStep(borrow.last_use))
+
+    def borrow_drop(self, msg: BorrowDrop) -> None:
+        """The from stream waits for the hand-back, then the borrow is forgotten (spec §4 "Drop")."""
+        borrow = self._borrow(msg.borrow, "BorrowDrop")
+        borrow.advance("BorrowDrop")
+        del self.borrows[msg.borrow]
+        borrow.lender.enqueue(BorrowStep(borrow.drop))
+
+    def _borrow(self, borrow_id: int, what: str) -> Borrow:
+        borrow = self.borrows.get(borrow_id)
+        if borrow is None:
+            raise FatalError(f"{what}: invalid borrow id: {borrow_id} (live borrows: {sorted(self.borrows)})")
+        return borrow
 
     def delete_refs(self, msg: DeleteRefs) -> None:
         for ref in msg.refs:
