@@ -11,14 +11,18 @@ One Python program, the controller, drives PyTorch on a mesh of Dask workers::
 """
 
 from .controller import (
+    Borrow,
     DeviceMesh,
     MonarchFuture,
+    Stream,
     Tensor,
     attach,
     coalescing,
     fetch_shard,
     get_active_mesh,
+    get_active_stream,
     inspect,
+    main_stream,
     no_mesh,
     reduce,
     reduce_,
@@ -29,16 +33,20 @@ from .exceptions import RemoteException, SessionError
 __version__ = "0.1.0"
 
 __all__ = [
+    "Borrow",
     "DeviceMesh",
     "MonarchFuture",
     "RemoteException",
     "SessionError",
+    "Stream",
     "Tensor",
     "attach",
     "coalescing",
     "fetch_shard",
     "get_active_mesh",
+    "get_active_stream",
     "inspect",
+    "main_stream",
     "no_mesh",
     "reduce",
     "reduce_",

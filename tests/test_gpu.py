@@ -121,3 +121,76 @@ def test_digits_example_on_two_gpus():
     last = out.stdout.strip().splitlines()[-1]
     match = re.fullmatch(r"test_accuracy=(\d\.\d{4})", last)
     assert match and float(match.group(1)) >= 0.95, out.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ streams, borrows
+def side_stream_overlaps_main(x):
+    """On the side stream's thread: wait until the main (default) CUDA stream is busy with its long kernel, run
+    this stream's own work to completion, and report whether the main stream was still busy then: True only if
+    the two CUDA streams run concurrently (spec §4, test streams_run_parallel)."""
+    import time
+
+    main = torch.cuda.default_stream()
+    deadline = time.monotonic() + 30
+    while main.query() and time.monotonic() < deadline:  # the main stream thread has not launched its kernel yet
+        time.sleep(0.001)
+    y = (x * 2).sum()
+    torch.cuda.current_stream().synchronize()
+    return torch.tensor([int(not main.query()), int(y.item() == 2 * x.numel())])
+
+
+def long_kernel(x):
+    """A kernel that keeps the GPU's current stream busy for about a second, then returns x + 1."""
+    torch.cuda._sleep(2_000_000_000)
+    return x + 1
+
+
+def test_streams_run_parallel_on_cuda_streams(mesh):
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.ones(16, device="cuda")
+        xs, borrow = side.borrow(x)
+        slow = dm.remote(long_kernel, propagate=lambda x: torch.empty_like(x))(x)
+        with side.activate():
+            facts = dm.remote(side_stream_overlaps_main, propagate=lambda x: torch.empty(2, dtype=torch.int64))(xs)
+        borrow.drop()
+    assert fetch(facts, gpu=0).tolist() == [1, 1] and fetch(facts, gpu=1).tolist() == [1, 1]
+    assert torch.equal(fetch(slow, gpu=1), torch.full((16,), 2.0))
+
+
+def test_borrow_cuda_mutation_is_visible_at_the_origin(mesh):
+    """borrow.rs borrow_cuda through the controller: a mutable borrow onto a new CUDA stream, written there; after
+    the drop the origin's stream sees the write (CUDA events order the two streams)."""
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.ones(2, 3, device="cuda") * (mesh.rank("gpu") + 1)
+        slow = dm.remote(long_kernel, propagate=lambda x: torch.empty_like(x))(x)  # keeps the origin's stream busy
+        xm, borrow = side.borrow(x, mutable=True)
+        with side.activate():
+            xm.sub_(1)
+        borrow.drop()
+        after = x * 10
+        with side.activate():
+            on_side = torch.full((2,), 5.0, device="cuda").reduce("gpu")  # the side stream's own NCCL comm
+    assert torch.equal(fetch(after, gpu=0), torch.zeros(2, 3))
+    assert torch.equal(fetch(after, gpu=1), torch.full((2, 3), 10.0))
+    assert torch.equal(fetch(slow, gpu=1), torch.full((2, 3), 3.0))
+    assert torch.equal(fetch(on_side, gpu=1), torch.full((2,), 10.0))
+
+
+def test_borrow_errored_value_on_cuda(mesh):
+    def fail(x):
+        raise ValueError("no tensor for you")
+
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.ones(4, device="cuda")
+        bad = dm.remote(fail, propagate=lambda x: torch.empty_like(x))(x)
+        bs, borrow = side.borrow(bad)
+        with side.activate():
+            dependent = bs - 1
+            fine = torch.ones(2, device="cuda") + 1
+        borrow.drop()
+    with pytest.raises(dm.RemoteException, match="no tensor for you"):
+        fetch(dependent, gpu=1)
+    assert torch.equal(fetch(fine, gpu=0), torch.full((2,), 2.0))

@@ -7,18 +7,23 @@ from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .reduce import reduce, reduce_
 from .remote import remote
 from .session import MonarchFuture, Session
+from .stream import Borrow, Stream, get_active_stream, main_stream
 from .tensor import Tensor
 
 __all__ = [
+    "Borrow",
     "DeviceMesh",
     "MonarchFuture",
     "Session",
+    "Stream",
     "Tensor",
     "attach",
     "coalescing",
     "fetch_shard",
     "get_active_mesh",
+    "get_active_stream",
     "inspect",
+    "main_stream",
     "no_mesh",
     "reduce",
     "reduce_",

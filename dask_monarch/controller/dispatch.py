@@ -29,6 +29,7 @@ _aten = torch.ops.aten
 _LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset))
 _LOCAL_NAMESPACES = frozenset(("profiler",))
 _paths: dict = {}
+_writes: dict = {}  # OpOverload -> (position, name, kwarg_only) of the arguments it writes
 # set while the controller runs an op on fake tensors: the mode lets it through to the FakeTensorMode (an "infra"
 # mode, which torch orders below user modes such as MeshDispatchMode whatever the order they were entered in)
 _propagating: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_propagating", default=False)
@@ -62,7 +63,26 @@ def run_op(func, args, kwargs, mesh=None):
             "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
             "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
         )
-    return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh)
+    return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh, writes=written_tensors(func, args, kwargs))
+
+
+def written_tensors(func, args, kwargs) -> list:
+    """The remote tensors that ``func`` writes, from its schema's alias annotations (``Tensor(a!)``): in-place and
+    ``out=`` ops. Under ``__torch_dispatch__`` the fake tensors' version counters do not move, so the propagation
+    cannot see these writes."""
+    from .tensor import Tensor
+
+    written = _writes.get(func)
+    if written is None:
+        written = _writes[func] = tuple(
+            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found = []
+    for i, name, kwarg_only in written:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        found.extend(x for x in tree_flatten(value)[0] if isinstance(x, Tensor))
+    return found
 
 
 class MeshDispatchMode(TorchDispatchMode):

@@ -16,7 +16,8 @@ from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
 from .mesh import DeviceMesh
 from .remote import pack_leaves
-from .session import DEFAULT_STREAM, MonarchFuture
+from .session import MonarchFuture
+from .stream import check_access
 from .tensor import Tensor
 
 __all__ = ["fetch_shard", "inspect"]
@@ -88,11 +89,13 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     sent = obj if packed is None else tree_unflatten(packed, spec)
     session = mesh._session
     refs = [t.ref.id for t in tensors]
+    stream = tensors[0].stream  # a fetch runs on its tensors' stream
     with session.lock:
         session.check_ok()
+        check_access(stream, tensors, [])
         seq = session.new_seq()
         session.record(seq, defs=[], uses=refs, what="fetch_shard")
-        session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), DEFAULT_STREAM), [rank])
+        session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), stream.ref_for(session)), [rank])
 
         def value():
             answer = session.take_fetch_result(seq)

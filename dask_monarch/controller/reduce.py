@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..protocol import Factory, Reduce, Reduction
-from .session import DEFAULT_STREAM
+from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
 __all__ = ["reduce", "reduce_", "reduce_one"]
@@ -90,11 +90,15 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         raise TypeError("REQUIRES_GRAD: reduce of a tensor that requires grad is not supported")
 
     session = tmesh._session
+    stream = get_active_stream()
     with session.lock:
         session.check_ok()
+        outs = [out] if out is not None else []
+        check_access(stream, [t] + outs, outs + ([t] if in_place else []))
+        stream_ref = stream.ref_for(session)
         mesh_ref = tmesh.define_remotely()
         sorted_dims = sorted(dims)
-        session.ensure_comm(tmesh, mesh_ref, DEFAULT_STREAM, sorted_dims)
+        session.ensure_comm(tmesh, mesh_ref, stream_ref, sorted_dims)
         if in_place:
             fake = t._fake
         elif out is not None:
@@ -102,14 +106,14 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         else:
             with session.fake_mode:
                 fake = torch.empty(out_shape, dtype=t.dtype, device=t.device)
-        result = Tensor(session.new_ref(), fake, tmesh, DEFAULT_STREAM)
+        result = Tensor(session.new_ref(), fake, tmesh, stream)
         seq = session.new_seq()
         defs = [result.ref.id] + ([t.ref.id] if in_place else []) + ([out.ref.id] if out is not None else [])
         uses = [t.ref.id] + ([out.ref.id] if out is not None else [])
         session.record(seq, defs=defs, uses=uses, what=f"reduce({red.value} over {dims})")
         session.send(
             Reduce(
-                result.ref, t.ref, Factory(shape, t.dtype, t._fake.layout, t.device), mesh_ref, DEFAULT_STREAM,
+                result.ref, t.ref, Factory(shape, t.dtype, t._fake.layout, t.device), mesh_ref, stream_ref,
                 sorted_dims, red, bool(scatter), bool(in_place), out.ref if out is not None else None, seq,
             ),
             tmesh._rank_list,

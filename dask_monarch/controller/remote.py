@@ -21,7 +21,7 @@ from ..protocol.function import resolve_path
 from .dispatch import propagating
 from .mesh import DeviceMesh, get_active_mesh
 from .propagation import Propagator
-from .session import DEFAULT_STREAM
+from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
 __all__ = ["remote", "Remote", "function_of", "pack_leaves"]
@@ -144,14 +144,16 @@ class Remote:
         return f"remote({self._fn!r})"
 
 
-def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
+def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()):
     """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
     every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
 
     ``shapes(*fake_args, **fake_kwargs)`` runs on the controller's fake tensors to learn output shapes, strides,
     aliasing and mutation: an input whose fake version changes is mutated (all live aliases of its storage go into
     ``mutates``); an output that *is* an input's fake (an in-place op) is that input ``Tensor`` itself, not a new
-    ref. The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh.
+    ref. ``writes`` are inputs known to be written besides (an op's schema says so: inside ``__torch_dispatch__``
+    the fakes' versions do not move). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh;
+    the stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
     """
     leaves, spec = tree_flatten((args, kwargs))
     mesh = _mesh_of(leaves, mesh)
@@ -173,8 +175,10 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
             fake_leaves.append(x)
     fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
     key = Propagator.key(function, shapes, spec, leaves, Tensor, DeviceMesh)
+    stream = get_active_stream()
     with session.lock:
         session.check_ok()
+        stream_ref = stream.ref_for(session)
         try:
             with propagating():
                 out, mutated = session.propagator.run(key, shapes, fake_args, fake_kwargs, [t._fake for t in inputs])
@@ -184,7 +188,9 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
                 f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
                 "with a function that returns outputs of the right shapes",
             ) from e
-        mutates = session.aliases_of([inputs[i] for i in mutated])
+        written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
+        check_access(stream, inputs, written)
+        mutates = session.aliases_of(written)
         by_fake = {id(t._fake): t for t in inputs}
         out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
         results, values, new = [], [], []
@@ -194,7 +200,7 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
                 results.append(None)
                 values.append(same)
             elif isinstance(leaf, FakeTensor):
-                t = Tensor(session.new_ref(), leaf, mesh, DEFAULT_STREAM)
+                t = Tensor(session.new_ref(), leaf, mesh, stream)
                 results.append(t.ref)
                 values.append(t)
                 new.append(t)
@@ -206,7 +212,7 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None):
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
-            DEFAULT_STREAM, (),
+            stream_ref, (),
         )
         session.record(
             seq,

@@ -63,6 +63,11 @@ logger = logging.getLogger("dask_monarch.controller")
 DEFAULT_STREAM = StreamRef(0)
 
 
+def _storage(tensor) -> int:
+    """The identity of a remote tensor's (fake) storage, shared by all its aliases."""
+    return tensor._fake.untyped_storage()._cdata
+
+
 def _local_ranks(workers: list[str]) -> list[int]:
     """Each rank's position among the session's ranks on the same host (which GPU it takes when its worker sees
     every GPU of the host; ``worker/device.py``)."""
@@ -229,6 +234,12 @@ class Session:
         self.fake_mode = FakeTensorMode()
         self.propagator = Propagator(self.fake_mode)
         self._storages: dict[int, weakref.WeakSet] = {}
+        #: streams of this session other than the default: ``Stream`` -> ``StreamRef`` (``controller/stream.py``)
+        self.streams: dict = {}
+        # weak, so that an undropped borrow can be garbage-collected (it then drops itself, deferred)
+        self._lent: dict[int, weakref.WeakSet] = {}  # fake storage of a borrowed tensor -> its live borrows
+        self._borrowed = weakref.WeakValueDictionary()  # fake storage of a borrow's tensor -> that borrow
+        self._deferred: deque = deque()  # work the garbage collector left for the next send (Borrow.__del__)
         self._network = False
         self._splits: set = set()
         self._key = self.id[:8]
@@ -269,6 +280,43 @@ class Session:
                 found[alias.ref.id] = alias
         return list(found.values())
 
+    # -------------------------------------------------------------------------------------------- borrows
+    def lend(self, origin, borrow) -> None:
+        """``borrow`` of ``origin`` is live (``controller/stream.py``)."""
+        self._lent.setdefault(_storage(origin), weakref.WeakSet()).add(borrow)
+        self._borrowed[_storage(borrow.tensor)] = borrow
+
+    def unlend(self, origin, borrow) -> None:
+        """``borrow`` of ``origin`` was dropped."""
+        live = self._lent.get(_storage(origin))
+        if live is not None:
+            live.discard(borrow)
+            if not live:
+                del self._lent[_storage(origin)]
+        self._borrowed.pop(_storage(borrow.tensor), None)
+
+    def borrows_of(self, tensor) -> list:
+        """The live borrows of ``tensor``'s storage."""
+        self.run_deferred()
+        return list(self._lent.get(_storage(tensor), ())) if self._lent else []
+
+    def defer(self, fn) -> None:
+        """Call ``fn()`` before the next message is sent (safe from the garbage collector: takes no lock)."""
+        self._deferred.append(fn)
+
+    def run_deferred(self) -> None:
+        while self._deferred:
+            try:
+                fn = self._deferred.popleft()
+            except IndexError:
+                return
+            with self.lock:
+                fn()
+
+    def borrow_by_alias(self, tensor):
+        """The live borrow whose borrowed tensor shares ``tensor``'s storage, or None."""
+        return self._borrowed.get(_storage(tensor)) if self._borrowed else None
+
     def record(self, seq: int, defs, uses, what: str = "") -> None:
         """Add invocation ``seq`` to the dependency graph (``History.new_node``)."""
         if what:
@@ -298,6 +346,8 @@ class Session:
     def send(self, message, ranks=None) -> None:
         """Queue ``message`` for ``ranks`` (an iterable of ranks; default every rank of the session). Inside
         ``coalescing()`` the message is held for the block's ``CommandGroup``."""
+        if self._deferred:
+            self.run_deferred()
         targets = self._all if ranks is None else tuple(ranks)
         held = held_messages()
         if held is not None:

@@ -20,7 +20,7 @@ __all__ = ["Tensor"]
 
 
 class Tensor(torch.Tensor):
-    """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream``. ``shape``/``dtype``/``device``/``stride()``
+    """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream`` (a ``dask_monarch.Stream``). ``shape``/``dtype``/``device``/``stride()``
     come from the controller's fake tensor ``_fake``. Fetch its value with ``dask_monarch.fetch_shard`` or
     ``inspect``; ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
 

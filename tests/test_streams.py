@@ -1,0 +1,237 @@
+"""Streams and borrows through the controller API on a 2x2 mesh of CPU workers (spec §1 "Streams and borrows",
+§4; §9 test_controller errors/mutate, test_remote_functions streams_run_parallel)."""
+
+from __future__ import annotations
+
+import gc
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import dask_monarch as dm
+from dask_monarch.protocol import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse, CallFunction, CreateStream
+
+TIMEOUT = 60
+
+
+@pytest.fixture
+def sends(mesh2x2, monkeypatch) -> list:
+    """Every ``(targets, message)`` the session of ``mesh2x2`` is asked to send from now on."""
+    session = mesh2x2._session
+    log = []
+    send = session.send
+
+    def recording(message, ranks=None):
+        log.append((session._all if ranks is None else tuple(ranks), message))
+        return send(message, ranks)
+
+    monkeypatch.setattr(session, "send", recording)
+    return log
+
+
+def of(log, kind) -> list:
+    """The messages of type ``kind`` in ``log``, in order."""
+    return [m for _, m in log if isinstance(m, kind)]
+
+
+def values(t) -> list:
+    """Rank 0's value of remote ``t`` as a list (compared as plain Python: under ``mesh.activate()`` a
+    ``torch.tensor`` literal would be remote)."""
+    return dm.inspect(t).tolist()
+
+
+def wait_at_barrier(key: str):
+    """Runs on a worker: both calls (one per stream) must be inside at the same time, or the barrier breaks."""
+    import sys
+    import threading
+
+    barrier = sys.modules["threading"].__dict__.setdefault(key, threading.Barrier(2, timeout=30))
+    barrier.wait()
+    return torch.ones(1)
+
+
+# ------------------------------------------------------------------------------------------------ streams
+def test_streams_run_parallel(mesh2x2):
+    side = dm.Stream("side")
+    key = f"dask_monarch_test_barrier_{uuid.uuid4().hex}"
+    barrier_op = dm.remote(wait_at_barrier, propagate=lambda key: torch.empty(1))
+    with mesh2x2.activate():
+        on_main = barrier_op(key)
+        with side.activate():
+            on_side = barrier_op(key)
+            side_value = dm.inspect(on_side)
+        main_value = dm.inspect(on_main)
+    assert main_value.tolist() == side_value.tolist() == [1.0]
+
+
+def test_first_use_of_a_stream_creates_it_on_every_rank_once(mesh2x2, sends):
+    side = dm.Stream("side")
+    with mesh2x2.slice(host=0).activate(), side.activate():  # on a sub-mesh: still created on every rank
+        torch.ones(2)
+        torch.zeros(2)
+    (create,) = of(sends, CreateStream)
+    calls = of(sends, CallFunction)
+    assert create.id.id != 0 and [c.stream for c in calls] == [create.id, create.id]
+    assert [targets for targets, m in sends if m is create] == [mesh2x2._session._all]
+
+
+def test_tensor_used_on_another_stream_is_wrong_stream(mesh2x2):
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(3)
+        with side.activate():
+            with pytest.raises(TypeError, match="WRONG_STREAM: tensor r.* is on Stream\\('main'"):
+                torch.add(x, 1)
+            y = torch.ones(3)
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            torch.mul(y, 2)
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            _reduce_on(side, x)
+
+
+def _reduce_on(stream, t):
+    with stream.activate():
+        return t.reduce("gpu")
+
+
+def test_reduce_on_a_side_stream_uses_that_streams_comm(mesh2x2):
+    side = dm.Stream("side")
+    with mesh2x2.activate(), side.activate():
+        x = torch.full((2,), 3.0)
+        total = x.reduce("gpu")
+    assert total.stream is side
+    assert values(total) == [6.0, 6.0]
+
+
+# ------------------------------------------------------------------------------------------------ borrows
+def test_read_borrow_values_and_messages(mesh2x2, sends):
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.arange(4.0)
+        xs, borrow = side.borrow(x)
+        (create,) = of(sends, BorrowCreate)
+        assert (create.tensor, create.result, create.from_stream.id, create.borrow) == (
+            x.ref, xs.ref, 0, borrow.id
+        )
+        assert of(sends, BorrowFirstUse) == []  # not before the first use
+        with side.activate():
+            doubled = xs * 2
+            again = xs + 1
+        assert [m.borrow for m in of(sends, BorrowFirstUse)] == [borrow.id]  # once
+        assert xs.stream is side and doubled.stream is side
+        assert values(doubled) == [0.0, 2.0, 4.0, 6.0]  # fetched on the borrowed tensor's stream
+        assert values(x + 0) == [0.0, 1.0, 2.0, 3.0]  # the origin stays readable
+        borrow.drop()
+        assert [type(m) for m in of(sends, (BorrowLastUse, BorrowDrop))] == [BorrowLastUse, BorrowDrop]
+        assert values(again) == [1.0, 2.0, 3.0, 4.0]
+        with pytest.raises(TypeError, match="DROPPED"):
+            with side.activate():
+                torch.neg(xs)
+
+
+def test_mutate(mesh2x2):
+    """test_controller ``mutate``: a live read borrow forbids writing the origin; after the drop it is allowed; a
+    mutable borrow may be written."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.full((3,), -2.0)
+        xs, borrow = side.borrow(x)
+        with pytest.raises(TypeError, match="would be mutated"):
+            x.abs_()
+        with side.activate(), pytest.raises(TypeError, match="MUTATING_BORROW.*borrowed read-only"):
+            xs.abs_()
+        borrow.drop()
+        x.abs_()
+        assert values(x) == [2.0, 2.0, 2.0]
+        xm, mutable = side.borrow(x, mutable=True)
+        with side.activate():
+            xm.abs_()
+            xm.add_(1)
+        mutable.drop()
+        assert values(x) == [3.0, 3.0, 3.0]  # the writes are visible at the origin
+
+
+def test_origin_of_a_mutable_borrow_cannot_be_used(mesh2x2):
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        view = x[0:1]
+        xm, borrow = side.borrow(x, mutable=True)
+        with pytest.raises(TypeError, match="BORROWED: tensor .* is mutably borrowed"):
+            torch.add(x, 1)
+        with pytest.raises(TypeError, match="BORROWED"):
+            torch.add(view, 1)  # an alias of the origin is the origin
+        with pytest.raises(TypeError, match="BORROWED"):
+            dm.fetch_shard(x)
+        with borrow:  # leaving the block drops it
+            pass
+        assert values(torch.add(x, 1)) == [2.0, 2.0]
+
+
+def test_mutable_borrow_of_a_borrowed_tensor_is_a_runtime_error(mesh2x2):
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        _, read = side.borrow(x)
+        with pytest.raises(RuntimeError, match="already borrowed"):
+            other.borrow(x, mutable=True)
+        _, read_again = other.borrow(x)  # two read borrows are fine
+        read.drop()
+        read_again.drop()
+        _, mutable = other.borrow(x, mutable=True)
+        mutable.drop()
+
+
+def test_borrow_of_a_failed_tensor_carries_the_error(mesh2x2):
+    def fail():
+        raise ValueError("no tensor for you")
+
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        bad = dm.remote(fail, propagate=lambda: torch.empty(2))()
+        bs, borrow = side.borrow(bad)
+        with side.activate():
+            dependent = bs + 1
+        with pytest.raises(dm.RemoteException, match="no tensor for you"):
+            dm.inspect(dependent)
+        borrow.drop()
+
+
+def test_failure_through_a_mutable_borrow_reaches_the_origin(mesh2x2):
+    def fail_in_place(t):
+        raise ValueError("write failed")
+
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xm, borrow = side.borrow(x, mutable=True)
+        with side.activate():
+            dm.remote(fail_in_place, propagate=lambda t: (t.add_(0), None)[1])(xm)
+        borrow.drop()
+        with pytest.raises(dm.RemoteException, match="write failed"):
+            dm.inspect(x)
+
+
+def test_undropped_borrow_warns_and_drops_itself(mesh2x2, sends):
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        _, borrow = side.borrow(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del borrow, _
+            gc.collect()
+        assert any("was not dropped" in str(w.message) for w in caught)
+        x.abs_()  # no borrow is live any more: the collected one was dropped before this op was sent
+        kinds = [type(m).__name__ for _, m in sends]
+        assert kinds[-4:] == ["BorrowFirstUse", "BorrowLastUse", "BorrowDrop", "CallFunction"]
+        assert values(x) == [1.0, 1.0]
+
+
+def test_borrow_rejects_a_local_tensor():
+    with pytest.raises(TypeError, match="remote dask_monarch.Tensor"):
+        dm.Stream("side").borrow(torch.ones(2))
+    with pytest.raises(TypeError, match="non-empty str"):
+        dm.Stream("")
