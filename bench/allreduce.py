@@ -14,14 +14,12 @@ controller, is what is timed), finished by a fetch (which waits for the GPU). Bu
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _torchrun import run_ranks
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
 
@@ -32,10 +30,7 @@ def _iters(seconds_each: float, quick: bool) -> int:
     return max(20, int((0.25 if quick else 1.0) / seconds_each))
 
 
-def _raw_worker(rank: int, world: int, port: int, sizes, quick: bool, queue) -> None:
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+def _raw_worker(rank: int, world: int, sizes, quick: bool) -> dict:
     results = {}
     for mib in sizes:
         x = torch.ones(mib << 18, device="cuda")  # float32: 4 bytes each
@@ -54,24 +49,11 @@ def _raw_worker(rank: int, world: int, port: int, sizes, quick: bool, queue) -> 
         results[mib] = ((time.perf_counter() - t0) / n, n)
         if rank == 0:
             print(f"  raw {mib} MiB: {n} all-reduces, {results[mib][0] * 1e6:.0f} us each", flush=True)
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put(results)
+    return results
 
 
 def raw(world: int, sizes, quick: bool) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_raw_worker, args=(r, world, port, sizes, quick, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=900)
-    for p in procs:
-        p.join(60)
-    return results
+    return run_ranks(_raw_worker, world, (sizes, quick), timeout=900)
 
 
 def through_reduce(world: int, sizes, iterations: dict) -> dict:

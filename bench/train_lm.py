@@ -13,14 +13,12 @@ and never waits until the final fetch; the script calls them directly with ``dis
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _torchrun import run_ranks
 from torch import nn
 
 _MODELS: dict = {}
@@ -100,10 +98,7 @@ def _shapes_grad(flat, cfg, step, rank):
 
 
 # ------------------------------------------------------------------------------------------- plain script
-def _raw_worker(rank: int, world: int, port: int, cfg: tuple, steps: int, queue) -> None:
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+def _raw_worker(rank: int, world: int, cfg: tuple, steps: int) -> tuple:
     flat, momentum = lm_init(cfg, 0)
 
     def step(i: int):
@@ -120,24 +115,11 @@ def _raw_worker(rank: int, world: int, port: int, cfg: tuple, steps: int, queue)
         loss = step(100 + i)
     loss = loss.item()
     elapsed = time.perf_counter() - t0
-    dist.destroy_process_group()
-    if rank == 0:
-        queue.put((steps / elapsed, loss))
+    return steps / elapsed, loss
 
 
 def raw(world: int, cfg: tuple, steps: int):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_raw_worker, args=(r, world, port, cfg, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=1200)
-    for p in procs:
-        p.join(60)
-    return result
+    return run_ranks(_raw_worker, world, (cfg, steps), timeout=1200)
 
 
 # --------------------------------------------------------------------------------------------- dask_monarch

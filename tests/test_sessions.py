@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
-from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath, Ref
+from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath
 from dask_monarch.controller.session import DEFAULT_STREAM
 
 TIMEOUT = 60

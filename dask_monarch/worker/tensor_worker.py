@@ -17,8 +17,6 @@ import pickle
 import threading
 import traceback
 
-import torch
-
 from ..protocol import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
