@@ -194,3 +194,103 @@ def test_borrow_errored_value_on_cuda(mesh):
     with pytest.raises(dm.RemoteException, match="no tensor for you"):
         fetch(dependent, gpu=1)
     assert torch.equal(fetch(fine, gpu=0), torch.full((2,), 2.0))
+
+
+# ------------------------------------------------------------------------------------------ failures, clusters
+def _slow_add(x):
+    import time
+
+    time.sleep(3)
+    return x + 1
+
+
+def test_killed_peer_during_an_nccl_reduce_fails_the_session_naming_it():
+    """A rank killed while its peer waits in an NCCL all-reduce: the controller gets a ``SessionError`` naming the
+    rank within seconds (not at comm_timeout), and a new session on the restarted worker works (spec §5)."""
+    import signal
+    import time
+
+    from distributed import Client
+
+    from dask_monarch.cluster import start_local_cluster
+
+    cluster = start_local_cluster(2, silence_logs=50)
+    try:
+        with Client(cluster) as client:
+            client.wait_for_workers(2, timeout=120)
+            mesh = dm.attach(client, dims={"gpu": 2}, comm_timeout=120)
+            with mesh.activate():
+                x = torch.ones(1 << 20, device="cuda") * (mesh.rank("gpu") + 1)
+                assert fetch(x.reduce("gpu"), gpu=0)[0].item() == 3.0  # the communicator exists before the kill
+                total = dm.remote(_slow_add, propagate=lambda x: torch.empty_like(x))(x).reduce("gpu")
+            future = dm.fetch_shard(total)
+            victim = mesh.workers[1]
+            time.sleep(1)
+            os.kill(client.run(os.getpid)[victim], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(dm.SessionError, match=r"rank 1 \(" + victim):
+                future.result(timeout=TIMEOUT)
+            assert time.monotonic() - start < 60
+            mesh.exit()
+            client.wait_for_workers(2, timeout=120)
+            with dm.attach(client, dims={"gpu": 2}, comm_timeout=120) as again, again.activate():
+                y = torch.ones(4, device="cuda").reduce("gpu")
+                assert torch.equal(fetch(y, gpu=1), torch.full((4,), 2.0))
+    finally:
+        cluster.close()
+
+
+def _command_line_cluster(tmp_path, visible: list):
+    """``python -m dask scheduler`` and one ``python -m dask worker`` per entry of ``visible`` (its
+    ``CUDA_VISIBLE_DEVICES``, or None to leave every GPU visible); yields the scheduler address."""
+    import json
+    import time
+
+    scheduler_file = tmp_path / "scheduler.json"
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--port", "0", "--dashboard-address", ":0",
+         "--scheduler-file", str(scheduler_file)], env=base,
+    )]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for devices in visible:
+            env = dict(base) if devices is None else {**base, "CUDA_VISIBLE_DEVICES": devices}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dask", "worker", address, "--nthreads", "1", "--no-dashboard"], env=env,
+            ))
+        yield address
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.parametrize("visible", [["0,1", "1,0"], [None, None]], ids=["rotated", "every-gpu-visible"])
+def test_command_line_workers_take_distinct_gpus(tmp_path, visible):
+    """Workers started with ``dask worker`` as ``dask cuda worker`` starts them (rotated CUDA_VISIBLE_DEVICES), or
+    all seeing every GPU: each rank computes on its own GPU and NCCL works across them (issue 4, item 1)."""
+    from distributed import Client
+
+    gen = _command_line_cluster(tmp_path, visible)
+    address = next(gen)
+    try:
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=120)
+            with dm.attach(client, dims={"gpu": 2}, comm_timeout=120) as mesh:
+                ids = dm.remote(gpu_identity, propagate=lambda: torch.empty(3, dtype=torch.int64))
+                with mesh.activate():
+                    ident = ids()
+                    total = torch.ones(8, device="cuda").reduce("gpu")
+                a, b = fetch(ident, gpu=0), fetch(ident, gpu=1)
+                assert (a[1], a[2]) != (b[1], b[2])
+                assert torch.equal(fetch(total, gpu=1), torch.full((8,), 2.0))
+    finally:
+        gen.close()
