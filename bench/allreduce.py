@@ -14,6 +14,7 @@ controller, is what is timed), finished by a fetch (which waits for the GPU). Bu
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from _torchrun import run_ranks
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
+ROUNDS = 3  # timed rounds per size and side; the median is reported
 
 
 def _iters(seconds_each: float, quick: bool) -> int:
@@ -41,14 +43,20 @@ def _raw_worker(rank: int, world: int, sizes, quick: bool) -> dict:
         for _ in range(10):
             dist.all_reduce(x)
         torch.cuda.synchronize()
-        n = _iters((time.perf_counter() - t0) / 10, quick)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        results[mib] = ((time.perf_counter() - t0) / n, n)
+        n = torch.tensor([_iters((time.perf_counter() - t0) / 10, quick)], device="cuda")
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)  # every rank must run the same number of collectives
+        n = int(n.item())
+        rounds = []
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - t0) / n)
+        results[mib] = (statistics.median(rounds), n)
         if rank == 0:
-            print(f"  raw {mib} MiB: {n} all-reduces, {results[mib][0] * 1e6:.0f} us each", flush=True)
+            each = ", ".join(f"{t * 1e6:.1f}" for t in rounds)
+            print(f"  raw {mib} MiB: {ROUNDS} x {n} all-reduces, us each: {each}", flush=True)
     return results
 
 
@@ -79,13 +87,18 @@ def through_reduce(world: int, sizes, iterations: dict) -> dict:
             dm.inspect(head)  # the fixed cost of the fetch that ends the timed run, measured alone
             fetch = time.perf_counter() - t0
             n = iterations[mib]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                session.send(msg, mesh._rank_list)
-            dm.inspect(head)  # the fetch copies to the CPU after the stream's collectives: the GPU is done
-            total = time.perf_counter() - t0
+            rounds = []
+            for _ in range(ROUNDS):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    session.send(msg, mesh._rank_list)
+                dm.inspect(head)  # the fetch copies to the CPU after the stream's collectives: the GPU is done
+                rounds.append(time.perf_counter() - t0)
+            total = statistics.median(rounds)
             results[mib] = (total / n, max(total - fetch, total / 2) / n)
-            print(f"  dask_monarch {mib} MiB: {n} reduces in {total:.3f} s (fetch alone {fetch * 1e3:.1f} ms)", flush=True)
+            each = ", ".join(f"{t:.3f}" for t in rounds)
+            print(f"  dask_monarch {mib} MiB: {ROUNDS} x {n} reduces, s each: {each} (fetch alone {fetch * 1e3:.1f} ms)",
+                  flush=True)
             del x, head
     return results
 
@@ -103,8 +116,8 @@ def main(argv=None) -> None:
     factor = 2 * (world - 1) / world
     print(f"\nall-reduce bus bandwidth, {world} x {torch.cuda.get_device_name(0)}, float32, in place "
           f"(torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
-    print("dask_monarch: back-to-back Reduce messages ended by one fetch; 'steady' leaves out that fetch's fixed "
-          "cost, measured alone just before")
+    print(f"dask_monarch: back-to-back Reduce messages ended by one fetch; 'steady' leaves out that fetch's fixed "
+          f"cost, measured alone just before; median of {ROUNDS} rounds on each side")
     print(f"{'size':>9}{'iters':>7}{'raw torch.distributed':>23}{'dask_monarch Reduce':>21}{'ratio':>7}"
           f"{'steady':>13}{'ratio':>7}")
     for mib in sizes:
