@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks on a machine with >= 2 CUDA devices (issue 4). Each step runs under its own time limit
+# and logs to $OUT (default ./gpu-logs); a failing step does not stop the others. The exit status is the number
+# of steps that failed. Usage: bash ci/gpu.sh [steps...]   (steps: info tests allreduce dispatch train_lm digits)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+steps=${*:-info tests allreduce dispatch train_lm digits}
+failed=0
+run() {  # name, seconds, command...
+    local name=$1 limit=$2; shift 2
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+for step in $steps; do
+    case $step in
+        info) run info 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.cuda.nccl.version())'" ;;
+        tests) run tests 420 $PY -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider ;;
+        allreduce) run allreduce 300 $PY bench/allreduce.py ;;
+        dispatch) run dispatch 300 $PY bench/dispatch.py --device cuda ;;
+        train_lm) run train_lm 300 $PY bench/train_lm.py ;;
+        digits) run digits 300 $PY examples/train_digits.py --device cuda --workers 2 ;;
+        *) echo "unknown step $step"; failed=$((failed + 1)) ;;
+    esac
+done
+exit $failed
