@@ -139,24 +139,28 @@ def side_stream_overlaps_main(x):
     return torch.tensor([int(not main.query()), int(y.item() == 2 * x.numel())])
 
 
-def long_kernel(x):
-    """A kernel that keeps the GPU's current stream busy for about a second, then returns x + 1."""
-    torch.cuda._sleep(2_000_000_000)
+def long_kernel(x, cycles: int = 2_000_000_000):
+    """A kernel that keeps the GPU's current stream busy for ``cycles`` GPU clock cycles (2e9: about a second on
+    an H200), then returns x + 1."""
+    torch.cuda._sleep(cycles)
     return x + 1
 
 
 def test_streams_run_parallel_on_cuda_streams(mesh):
     side = dm.Stream("side")
     overlaps = dm.remote(side_stream_overlaps_main, propagate=lambda x: torch.empty(2, dtype=torch.int64))
+    busy = dm.remote(long_kernel, propagate=lambda x, cycles=0: torch.empty_like(x))
     with mesh.activate():
         x = torch.ones(16, device="cuda")
         xs, borrow = side.borrow(x)
+        # load both streams' kernels first: with CUDA's lazy module loading (the default), loading a kernel while
+        # another runs waits for it (measured on the H200s: the side's work took the main kernel's full second)
+        warm = busy(x, 1)
         with side.activate():
-            # load the side's kernels while the GPU is idle: with CUDA's lazy module loading (the default), the first
-            # launch of a kernel waits for the kernels running on the device, which would serialize the streams
-            warm = overlaps(xs)
+            warm_side = torch.mul(xs, 2).sum()
         dm.inspect(warm)
-        slow = dm.remote(long_kernel, propagate=lambda x: torch.empty_like(x))(x)
+        dm.inspect(warm_side)
+        slow = busy(x)
         with side.activate():
             facts = overlaps(xs)
         borrow.drop()
