@@ -235,3 +235,41 @@ def test_borrow_rejects_a_local_tensor():
         dm.Stream("side").borrow(torch.ones(2))
     with pytest.raises(TypeError, match="non-empty str"):
         dm.Stream("")
+
+
+def test_borrow_of_a_borrowed_tensor_not_used_yet(mesh2x2):
+    """Borrowing a borrowed tensor is a use of it on its stream: its ``BorrowFirstUse`` goes out before the
+    nested ``BorrowCreate``, so the lender finds it there (instead of failing the session "ref not found")."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.arange(3.0)
+        xs, outer = side.borrow(x)
+        xo, inner = other.borrow(xs)  # xs not used on side yet
+        with other.activate():
+            assert values(xo + 1) == [1.0, 2.0, 3.0]
+        inner.drop()
+        outer.drop()
+        assert values(x * 2) == [0.0, 2.0, 4.0]
+
+
+def test_nested_borrows_keep_the_permissions(mesh2x2):
+    """A read-only borrowed tensor cannot be lent on mutably (that would write the origin, which is read-borrowed);
+    a mutably lent-on borrowed tensor cannot be used on its own stream until the nested borrow is dropped."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, outer = side.borrow(x)
+        with pytest.raises(TypeError, match="MUTATING_BORROW: tensor .* borrowed read-only"):
+            other.borrow(xs, mutable=True)
+        outer.drop()
+        xm, outer = side.borrow(x, mutable=True)
+        xo, inner = other.borrow(xm, mutable=True)
+        with side.activate(), pytest.raises(TypeError, match="BORROWED: tensor .* is mutably borrowed"):
+            torch.add(xm, 1)
+        with other.activate():
+            xo.add_(1)
+        inner.drop()
+        with side.activate():
+            xm.add_(1)
+        outer.drop()
+        assert values(x) == [3.0, 3.0]

@@ -123,6 +123,9 @@ class Borrow:
                     f"cannot borrow {origin.ref!r} {'mutably' if self.mutable else 'again'}: it is already "
                     f"borrowed ({', '.join(map(repr, live))}); drop that borrow first"
                 )
+            # lending on a borrowed tensor uses it on its stream: its BorrowFirstUse must precede this
+            # BorrowCreate, and a mutable borrow writes it (refused if it was borrowed read-only)
+            check_access(origin.stream, [origin], [origin] if self.mutable else [])
             to_ref = self.stream.ref_for(session)
             with propagating(), session.fake_mode:  # the same shape and strides, its own fake storage: the borrower's side
                 fake = origin._fake.new_empty_strided(origin._fake.size(), origin._fake.stride())
@@ -205,8 +208,7 @@ def check_access(stream: Stream, reads, writes) -> None:
                     f"MUTATING_BORROW: tensor {t.ref!r} would be mutated, but it was borrowed read-only "
                     f"({borrow!r}); borrow it with mutable=True to write to it"
                 )
-            continue
-        for lent in session.borrows_of(t):
+        for lent in session.borrows_of(t):  # a borrowed tensor may be lent on in turn
             if lent.mutable:
                 raise TypeError(
                     f"BORROWED: tensor {t.ref!r} is mutably borrowed ({lent!r}) and cannot be used until that "
