@@ -273,3 +273,24 @@ def test_nested_borrows_keep_the_permissions(mesh2x2):
             xm.add_(1)
         outer.drop()
         assert values(x) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("dropped", ["borrowed", "view"])
+def test_dropping_the_borrowed_tensor_ends_the_borrow(mesh2x2, dropped):
+    """``xs.drop()`` (or a view's) frees every alias of the borrowed tensor: that is its last use, so the borrow
+    ends there; before, its ``DeleteRefs`` overtook ``BorrowLastUse`` and failed the session ("ref not found")."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(4)
+        xs, borrow = side.borrow(x)
+        with side.activate():
+            view = xs[0:2]
+            assert values(view + 1) == [2.0, 2.0]
+        (xs if dropped == "borrowed" else view).drop()
+        assert borrow.dropped
+        with side.activate(), pytest.raises(TypeError, match="DROPPED"):
+            torch.neg(xs)
+        x.add_(1)  # writable again: no borrow is live
+        assert values(x) == [2.0, 2.0, 2.0, 2.0]
+        borrow.drop()  # a no-op now
+        assert values(x) == [2.0, 2.0, 2.0, 2.0]

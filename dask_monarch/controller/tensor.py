@@ -76,9 +76,15 @@ class Tensor(torch.Tensor):
 
     def drop(self) -> None:
         """Free this tensor and every alias of its storage on the workers now (Monarch's ``drop``). Using any of
-        them afterwards raises ``TypeError`` ("DROPPED") naming where it was dropped."""
+        them afterwards raises ``TypeError`` ("DROPPED") naming where it was dropped. For a borrowed tensor that
+        is its last use: the borrow ends (``Borrow.drop``), whose ``BorrowLastUse`` must precede the deletes."""
+        session = self.mesh._session
+        borrow = session.borrow_by_alias(self)
+        if borrow is not None:
+            borrow.drop()
+            return
         where = "".join(traceback.format_stack(limit=8)[:-1])
-        for alias in self.mesh._session.aliases_of([self]):
+        for alias in session.aliases_of([self]):
             if alias._dropped_at is None:
                 alias._dropped_at = where
                 alias.mesh._session.drop_ref(alias.ref.id, alias.mesh._rank_list)
