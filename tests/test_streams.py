@@ -294,3 +294,26 @@ def test_dropping_the_borrowed_tensor_ends_the_borrow(mesh2x2, dropped):
         assert values(x) == [2.0, 2.0, 2.0, 2.0]
         borrow.drop()  # a no-op now
         assert values(x) == [2.0, 2.0, 2.0, 2.0]
+
+
+def test_python_operators_raise_the_client_checks(mesh2x2):
+    """torch turns a ``TypeError`` inside ``+``, ``+=``, ``==``, ... into ``NotImplemented``: the client checks must
+    still reach the user. ``x += 1`` on a read-borrowed tensor used to rebind ``x`` to a new tensor silently."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, borrow = side.borrow(x)
+        before = x
+        with pytest.raises(TypeError, match="MUTATING_BORROW"):
+            x += 1
+        assert x is before
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            xs * 2
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            2 - xs
+        borrow.drop()
+        with side.activate(), pytest.raises(TypeError, match="DROPPED"):
+            xs + 1
+        with pytest.raises(TypeError, match="unsupported operand"):
+            x + "text"  # not a client check: Python's own error, as before
+        assert values(x == 1) == [True, True] and len({x, xs}) == 2  # still hashable
