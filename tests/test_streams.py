@@ -317,3 +317,14 @@ def test_python_operators_raise_the_client_checks(mesh2x2):
         with pytest.raises(TypeError, match="unsupported operand"):
             x + "text"  # not a client check: Python's own error, as before
         assert values(x == 1) == [True, True] and len({x, xs}) == 2  # still hashable
+
+
+def test_borrow_rejects_a_mutable_that_is_not_a_bool(mesh2x2):
+    """``mutable="no"`` used to give a mutable borrow (``bool("no")``)."""
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        for bad in ("no", None, 1):
+            with pytest.raises(TypeError, match=f"mutable must be a bool, got {bad!r}"):
+                dm.Stream("side").borrow(x, mutable=bad)
+        x.add_(1)  # no borrow was made
+        assert values(x) == [2.0, 2.0]

@@ -69,14 +69,16 @@ class Stream:
         """Borrow remote tensor ``t`` (of another stream, or this one) for use on this stream: returns ``(t2,
         borrow)``, where ``t2`` has ``t``'s shape, dtype and memory on this stream. Sends ``BorrowCreate`` now;
         ``BorrowFirstUse`` precedes the first operation on ``t2``; ``borrow.drop()`` (or leaving ``with
-        borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t``, ``RuntimeError`` for a
-        mutable borrow of a tensor already borrowed (spec §1)."""
+        borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t`` or a non-bool ``mutable``,
+        ``RuntimeError`` for a mutable borrow of a tensor already borrowed (spec §1)."""
         from .tensor import Tensor
 
         if not isinstance(t, Tensor):
             raise TypeError(f"Stream.borrow: t must be a remote dask_monarch.Tensor, got {type(t).__name__}")
+        if not isinstance(mutable, bool):
+            raise TypeError(f"Stream.borrow: mutable must be a bool, got {mutable!r}")
         t.check_usable()
-        return Borrow(t, self, bool(mutable))._start()
+        return Borrow(t, self, mutable)._start()
 
 
 #: each session's default stream (Monarch's ``Stream("main", _default=True)``)
