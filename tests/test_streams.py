@@ -328,3 +328,38 @@ def test_borrow_rejects_a_mutable_that_is_not_a_bool(mesh2x2):
                 dm.Stream("side").borrow(x, mutable=bad)
         x.add_(1)  # no borrow was made
         assert values(x) == [2.0, 2.0]
+
+
+def _fetch_in_another_thread(t) -> list:
+    """``inspect(t)`` from another thread (outside the caller's coalescing block): it flushes the session."""
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(values(t)))
+    thread.start()
+    thread.join(TIMEOUT)
+    return got
+
+
+@pytest.mark.parametrize("dropped", ["borrow", "tensor"])
+def test_drop_inside_coalescing_is_sent_after_the_block(mesh2x2, dropped):
+    """A drop inside ``coalescing()`` frees the refs after the block's held messages, which may still use them,
+    even when the session flushes meanwhile (another thread fetches): before, the ``DeleteRefs`` went out first
+    and ``BorrowLastUse`` (or the op using the tensor) failed the session with "ref not found"."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, borrow = side.borrow(x)
+        with side.activate():
+            xs + 0  # the borrowed tensor is on the side stream now
+        other = torch.zeros(1)
+        if dropped == "tensor":
+            borrow.drop()
+        with dm.coalescing():
+            if dropped == "borrow":
+                borrow.drop()
+            y = x * 3
+            if dropped == "tensor":
+                x.drop()
+            assert _fetch_in_another_thread(other) == [[0.0]]
+        assert values(y) == [3.0, 3.0]
