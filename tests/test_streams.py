@@ -363,3 +363,19 @@ def test_drop_inside_coalescing_is_sent_after_the_block(mesh2x2, dropped):
                 x.drop()
             assert _fetch_in_another_thread(other) == [[0.0]]
         assert values(y) == [3.0, 3.0]
+
+
+def test_dropping_a_borrow_drops_the_borrows_of_its_tensor_first(mesh2x2):
+    """The borrowed tensor lent on (a nested borrow) shares the origin's memory: dropping the outer borrow ends the
+    nested one first, so the origin is never writable while another stream still uses its memory."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, outer = side.borrow(x)
+        xo, inner = other.borrow(xs)
+        outer.drop()
+        assert inner.dropped
+        with other.activate(), pytest.raises(TypeError, match="DROPPED"):
+            torch.neg(xo)
+        x.add_(1)
+        assert values(x) == [2.0, 2.0]

@@ -149,7 +149,8 @@ class Borrow:
     def drop(self) -> None:
         """End the borrow: drop every alias of the borrowed tensor (using one afterwards raises ``DROPPED``), then
         send ``BorrowLastUse`` and ``BorrowDrop``. After a mutable borrow the origin depends on what the borrower
-        did (a failure there is raised by a fetch of the origin). Idempotent."""
+        did (a failure there is raised by a fetch of the origin). Borrows of the borrowed tensor (lent on) are
+        dropped first. Idempotent."""
         if self.dropped:
             return
         self.dropped = True
@@ -157,6 +158,8 @@ class Borrow:
         ranks = self.origin.mesh._rank_list
         where = "".join(traceback.format_stack(limit=8)[:-1])
         with session.lock:
+            for nested in session.borrows_of(self.tensor):  # lent on: it shares the memory, so it ends first
+                nested.drop()
             borrowed = session.aliases_of([self.tensor])
             session.unlend(self.origin, self)
             if session.failure is not None or session.closed:
