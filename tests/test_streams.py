@@ -235,3 +235,147 @@ def test_borrow_rejects_a_local_tensor():
         dm.Stream("side").borrow(torch.ones(2))
     with pytest.raises(TypeError, match="non-empty str"):
         dm.Stream("")
+
+
+def test_borrow_of_a_borrowed_tensor_not_used_yet(mesh2x2):
+    """Borrowing a borrowed tensor is a use of it on its stream: its ``BorrowFirstUse`` goes out before the
+    nested ``BorrowCreate``, so the lender finds it there (instead of failing the session "ref not found")."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.arange(3.0)
+        xs, outer = side.borrow(x)
+        xo, inner = other.borrow(xs)  # xs not used on side yet
+        with other.activate():
+            assert values(xo + 1) == [1.0, 2.0, 3.0]
+        inner.drop()
+        outer.drop()
+        assert values(x * 2) == [0.0, 2.0, 4.0]
+
+
+def test_nested_borrows_keep_the_permissions(mesh2x2):
+    """A read-only borrowed tensor cannot be lent on mutably (that would write the origin, which is read-borrowed);
+    a mutably lent-on borrowed tensor cannot be used on its own stream until the nested borrow is dropped."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, outer = side.borrow(x)
+        with pytest.raises(TypeError, match="MUTATING_BORROW: tensor .* borrowed read-only"):
+            other.borrow(xs, mutable=True)
+        outer.drop()
+        xm, outer = side.borrow(x, mutable=True)
+        xo, inner = other.borrow(xm, mutable=True)
+        with side.activate(), pytest.raises(TypeError, match="BORROWED: tensor .* is mutably borrowed"):
+            torch.add(xm, 1)
+        with other.activate():
+            xo.add_(1)
+        inner.drop()
+        with side.activate():
+            xm.add_(1)
+        outer.drop()
+        assert values(x) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("dropped", ["borrowed", "view"])
+def test_dropping_the_borrowed_tensor_ends_the_borrow(mesh2x2, dropped):
+    """``xs.drop()`` (or a view's) frees every alias of the borrowed tensor: that is its last use, so the borrow
+    ends there; before, its ``DeleteRefs`` overtook ``BorrowLastUse`` and failed the session ("ref not found")."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(4)
+        xs, borrow = side.borrow(x)
+        with side.activate():
+            view = xs[0:2]
+            assert values(view + 1) == [2.0, 2.0]
+        (xs if dropped == "borrowed" else view).drop()
+        assert borrow.dropped
+        with side.activate(), pytest.raises(TypeError, match="DROPPED"):
+            torch.neg(xs)
+        x.add_(1)  # writable again: no borrow is live
+        assert values(x) == [2.0, 2.0, 2.0, 2.0]
+        borrow.drop()  # a no-op now
+        assert values(x) == [2.0, 2.0, 2.0, 2.0]
+
+
+def test_python_operators_raise_the_client_checks(mesh2x2):
+    """torch turns a ``TypeError`` inside ``+``, ``+=``, ``==``, ... into ``NotImplemented``: the client checks must
+    still reach the user. ``x += 1`` on a read-borrowed tensor used to rebind ``x`` to a new tensor silently."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, borrow = side.borrow(x)
+        before = x
+        with pytest.raises(TypeError, match="MUTATING_BORROW"):
+            x += 1
+        assert x is before
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            xs * 2
+        with pytest.raises(TypeError, match="WRONG_STREAM"):
+            2 - xs
+        borrow.drop()
+        with side.activate(), pytest.raises(TypeError, match="DROPPED"):
+            xs + 1
+        with pytest.raises(TypeError, match="unsupported operand"):
+            x + "text"  # not a client check: Python's own error, as before
+        assert values(x == 1) == [True, True] and len({x, xs}) == 2  # still hashable
+
+
+def test_borrow_rejects_a_mutable_that_is_not_a_bool(mesh2x2):
+    """``mutable="no"`` used to give a mutable borrow (``bool("no")``)."""
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        for bad in ("no", None, 1):
+            with pytest.raises(TypeError, match=f"mutable must be a bool, got {bad!r}"):
+                dm.Stream("side").borrow(x, mutable=bad)
+        x.add_(1)  # no borrow was made
+        assert values(x) == [2.0, 2.0]
+
+
+def _fetch_in_another_thread(t) -> list:
+    """``inspect(t)`` from another thread (outside the caller's coalescing block): it flushes the session."""
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(values(t)))
+    thread.start()
+    thread.join(TIMEOUT)
+    return got
+
+
+@pytest.mark.parametrize("dropped", ["borrow", "tensor"])
+def test_drop_inside_coalescing_is_sent_after_the_block(mesh2x2, dropped):
+    """A drop inside ``coalescing()`` frees the refs after the block's held messages, which may still use them,
+    even when the session flushes meanwhile (another thread fetches): before, the ``DeleteRefs`` went out first
+    and ``BorrowLastUse`` (or the op using the tensor) failed the session with "ref not found"."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, borrow = side.borrow(x)
+        with side.activate():
+            xs + 0  # the borrowed tensor is on the side stream now
+        other = torch.zeros(1)
+        if dropped == "tensor":
+            borrow.drop()
+        with dm.coalescing():
+            if dropped == "borrow":
+                borrow.drop()
+            y = x * 3
+            if dropped == "tensor":
+                x.drop()
+            assert _fetch_in_another_thread(other) == [[0.0]]
+        assert values(y) == [3.0, 3.0]
+
+
+def test_dropping_a_borrow_drops_the_borrows_of_its_tensor_first(mesh2x2):
+    """The borrowed tensor lent on (a nested borrow) shares the origin's memory: dropping the outer borrow ends the
+    nested one first, so the origin is never writable while another stream still uses its memory."""
+    side, other = dm.Stream("side"), dm.Stream("other")
+    with mesh2x2.activate():
+        x = torch.ones(2)
+        xs, outer = side.borrow(x)
+        xo, inner = other.borrow(xs)
+        outer.drop()
+        assert inner.dropped
+        with other.activate(), pytest.raises(TypeError, match="DROPPED"):
+            torch.neg(xo)
+        x.add_(1)
+        assert values(x) == [2.0, 2.0]

@@ -57,13 +57,18 @@ def op_path(func) -> FunctionPath:
 def run_op(func, args, kwargs, mesh=None):
     """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh)."""
     from .remote import call_on_mesh
+    from .tensor import note_type_error
 
     if func is _aten._local_scalar_dense.default:
         raise TypeError(
             "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
             "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
         )
-    return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh, writes=written_tensors(func, args, kwargs))
+    try:
+        return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh, writes=written_tensors(func, args, kwargs))
+    except TypeError as e:
+        note_type_error(e)  # for the Python operators, where torch would hide it (tensor.py)
+        raise
 
 
 def written_tensors(func, args, kwargs) -> list:

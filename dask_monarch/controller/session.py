@@ -68,6 +68,19 @@ def _storage(tensor) -> int:
     return tensor._fake.untyped_storage()._cdata
 
 
+class _HeldDelete(tuple):
+    """A ref dropped inside a ``coalescing()`` block, held with the block's messages (``Session.drop_ref``)."""
+
+    __slots__ = ()
+
+    def __new__(cls, ref_id: int):
+        return super().__new__(cls, (ref_id,))
+
+    @property
+    def ref(self) -> int:
+        return self[0]
+
+
 def _local_ranks(workers: list[str]) -> list[int]:
     """Each rank's position among the session's ranks on the same host (which GPU it takes when its worker sees
     every GPU of the host; ``worker/device.py``)."""
@@ -366,6 +379,8 @@ class Session:
     def send_group(self, items) -> None:
         """Send held ``(targets, message)`` items as one ``CommandGroup`` per rank, in order; ranks with the same
         messages share one group (``coalescing``)."""
+        deletes = [(targets, message.ref) for targets, message in items if type(message) is _HeldDelete]
+        items = [item for item in items if type(item[1]) is not _HeldDelete]
         per_rank: dict[int, list] = {}
         for targets, message in items:
             for rank in targets:
@@ -376,12 +391,21 @@ class Session:
         with self.lock:
             for messages, ranks in groups.values():
                 self.send(CommandGroup(messages), ranks)
+            self._deletes.extend(deletes)  # refs dropped inside the block: freed after its messages
 
     def drop_ref(self, ref_id: int, ranks=None) -> None:
         """A controller-side handle died: free ``ref_id`` on ``ranks`` with the next flush (``DeleteRefs``).
-        Safe from any thread, including the garbage collector's."""
-        if not self.closed:
-            self._deletes.append((self._all if ranks is None else tuple(ranks), ref_id))
+        Safe from any thread, including the garbage collector's. Inside ``coalescing()`` the delete waits for
+        the end of the block: the block's held messages may still use the ref (``BorrowLastUse`` of a dropped
+        borrow, an op on a tensor dropped after it), and a flush meanwhile would otherwise free it first."""
+        if self.closed:
+            return
+        targets = self._all if ranks is None else tuple(ranks)
+        held = held_messages()
+        if held is not None:
+            held.setdefault(self, []).append((targets, _HeldDelete(ref_id)))
+        else:
+            self._deletes.append((targets, ref_id))
 
     def flush(self) -> None:
         with self.lock:

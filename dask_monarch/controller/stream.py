@@ -69,14 +69,16 @@ class Stream:
         """Borrow remote tensor ``t`` (of another stream, or this one) for use on this stream: returns ``(t2,
         borrow)``, where ``t2`` has ``t``'s shape, dtype and memory on this stream. Sends ``BorrowCreate`` now;
         ``BorrowFirstUse`` precedes the first operation on ``t2``; ``borrow.drop()`` (or leaving ``with
-        borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t``, ``RuntimeError`` for a
-        mutable borrow of a tensor already borrowed (spec §1)."""
+        borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t`` or a non-bool ``mutable``,
+        ``RuntimeError`` for a mutable borrow of a tensor already borrowed (spec §1)."""
         from .tensor import Tensor
 
         if not isinstance(t, Tensor):
             raise TypeError(f"Stream.borrow: t must be a remote dask_monarch.Tensor, got {type(t).__name__}")
+        if not isinstance(mutable, bool):
+            raise TypeError(f"Stream.borrow: mutable must be a bool, got {mutable!r}")
         t.check_usable()
-        return Borrow(t, self, bool(mutable))._start()
+        return Borrow(t, self, mutable)._start()
 
 
 #: each session's default stream (Monarch's ``Stream("main", _default=True)``)
@@ -123,6 +125,9 @@ class Borrow:
                     f"cannot borrow {origin.ref!r} {'mutably' if self.mutable else 'again'}: it is already "
                     f"borrowed ({', '.join(map(repr, live))}); drop that borrow first"
                 )
+            # lending on a borrowed tensor uses it on its stream: its BorrowFirstUse must precede this
+            # BorrowCreate, and a mutable borrow writes it (refused if it was borrowed read-only)
+            check_access(origin.stream, [origin], [origin] if self.mutable else [])
             to_ref = self.stream.ref_for(session)
             with propagating(), session.fake_mode:  # the same shape and strides, its own fake storage: the borrower's side
                 fake = origin._fake.new_empty_strided(origin._fake.size(), origin._fake.stride())
@@ -144,7 +149,8 @@ class Borrow:
     def drop(self) -> None:
         """End the borrow: drop every alias of the borrowed tensor (using one afterwards raises ``DROPPED``), then
         send ``BorrowLastUse`` and ``BorrowDrop``. After a mutable borrow the origin depends on what the borrower
-        did (a failure there is raised by a fetch of the origin). Idempotent."""
+        did (a failure there is raised by a fetch of the origin). Borrows of the borrowed tensor (lent on) are
+        dropped first. Idempotent."""
         if self.dropped:
             return
         self.dropped = True
@@ -152,6 +158,8 @@ class Borrow:
         ranks = self.origin.mesh._rank_list
         where = "".join(traceback.format_stack(limit=8)[:-1])
         with session.lock:
+            for nested in session.borrows_of(self.tensor):  # lent on: it shares the memory, so it ends first
+                nested.drop()
             borrowed = session.aliases_of([self.tensor])
             session.unlend(self.origin, self)
             if session.failure is not None or session.closed:
@@ -205,8 +213,7 @@ def check_access(stream: Stream, reads, writes) -> None:
                     f"MUTATING_BORROW: tensor {t.ref!r} would be mutated, but it was borrowed read-only "
                     f"({borrow!r}); borrow it with mutable=True to write to it"
                 )
-            continue
-        for lent in session.borrows_of(t):
+        for lent in session.borrows_of(t):  # a borrowed tensor may be lent on in turn
             if lent.mutable:
                 raise TypeError(
                     f"BORROWED: tensor {t.ref!r} is mutably borrowed ({lent!r}) and cannot be used until that "

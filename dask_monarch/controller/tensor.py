@@ -10,6 +10,7 @@ remote function sends the reference, and when the handle is garbage-collected th
 
 from __future__ import annotations
 
+import threading
 import traceback
 
 import torch
@@ -76,9 +77,15 @@ class Tensor(torch.Tensor):
 
     def drop(self) -> None:
         """Free this tensor and every alias of its storage on the workers now (Monarch's ``drop``). Using any of
-        them afterwards raises ``TypeError`` ("DROPPED") naming where it was dropped."""
+        them afterwards raises ``TypeError`` ("DROPPED") naming where it was dropped. For a borrowed tensor that
+        is its last use: the borrow ends (``Borrow.drop``), whose ``BorrowLastUse`` must precede the deletes."""
+        session = self.mesh._session
+        borrow = session.borrow_by_alias(self)
+        if borrow is not None:
+            borrow.drop()
+            return
         where = "".join(traceback.format_stack(limit=8)[:-1])
-        for alias in self.mesh._session.aliases_of([self]):
+        for alias in session.aliases_of([self]):
             if alias._dropped_at is None:
                 alias._dropped_at = where
                 alias.mesh._session.drop_ref(alias.ref.id, alias.mesh._rank_list)
@@ -108,3 +115,38 @@ class Tensor(torch.Tensor):
             f"dask_monarch.Tensor({self.ref!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, mesh={self.mesh.names}{', dropped' if self.dropped else ''})"
         )
+
+
+# torch turns a TypeError raised inside a Python operator (``+``, ``+=``, ``==``, ...) into NotImplemented, so the
+# client checks (WRONG_STREAM, DROPPED, MUTATING_BORROW, ...) became "unsupported operand type(s)", and ``x += 1``
+# on a tensor that must not be written fell back to ``x = x + 1``. ``run_op`` notes the TypeError it raises; the
+# operators below raise it instead of answering NotImplemented.
+_raised = threading.local()
+
+
+def note_type_error(error: TypeError) -> None:
+    """Called by ``dispatch.run_op`` with the ``TypeError`` a remote operation raises."""
+    _raised.error = error
+
+
+def _operator(base):
+    def operator(self, other):
+        _raised.error = None
+        result = base(self, other)
+        if result is NotImplemented:
+            error, _raised.error = getattr(_raised, "error", None), None
+            if error is not None:
+                raise error
+        return result
+
+    operator.__name__ = operator.__qualname__ = base.__name__
+    return operator
+
+
+for _name in (
+    "add and div eq floordiv ge gt le lshift lt matmul mod mul ne or pow rshift sub truediv xor "
+    "iadd iand idiv ifloordiv ilshift imod imul ior ipow irshift isub itruediv ixor "
+    "radd rand rdiv rfloordiv rlshift rmatmul rmod rmul ror rpow rrshift rsub rtruediv rxor"
+).split():
+    if hasattr(torch.Tensor, f"__{_name}__"):
+        setattr(Tensor, f"__{_name}__", _operator(getattr(torch.Tensor, f"__{_name}__")))
