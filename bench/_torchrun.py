@@ -23,6 +23,14 @@ def _main(target, rank: int, world: int, port: int, args: tuple, queue) -> None:
         queue.put(result)
 
 
+def gpu_world() -> int:
+    """The number of visible GPUs; exits with a message below the 2 a collective benchmark needs."""
+    world = torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit(f"needs at least 2 CUDA devices, found {world}")
+    return world
+
+
 def run_ranks(target, world: int, args: tuple = (), timeout: float = 1200.0):
     """Run ``target(rank, world, *args)`` in ``world`` spawned processes, one per GPU, each in the NCCL default
     process group; return rank 0's result (waited for at most ``timeout`` seconds). ``target`` must be a

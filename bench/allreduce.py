@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _torchrun import run_ranks
+from _torchrun import gpu_world, run_ranks
 
 SIZES_MIB = [1, 4, 16, 64, 256, 1024]
 ROUNDS = 3  # timed rounds per size and side; the median is reported
@@ -107,9 +107,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations, sizes up to 256 MiB")
     args = parser.parse_args(argv)
-    world = torch.cuda.device_count()
-    if world < 2:
-        raise SystemExit("needs at least 2 CUDA devices")
+    world = gpu_world()
     sizes = SIZES_MIB[:-1] if args.quick else SIZES_MIB
     base = raw(world, sizes, args.quick)
     ours = through_reduce(world, sizes, {mib: n for mib, (_, n) in base.items()})

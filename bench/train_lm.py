@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _torchrun import run_ranks
+from _torchrun import gpu_world, run_ranks
 from torch import nn
 
 _MODELS: dict = {}
@@ -156,9 +156,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, fewer steps")
     args = parser.parse_args(argv)
-    world = torch.cuda.device_count()
-    if world < 2:
-        raise SystemExit("needs at least 2 CUDA devices")
+    world = gpu_world()
     # vocab, d_model, layers, heads, batch per GPU, sequence length
     cfg = (32000, 512, 4, 8, 8, 512) if args.quick else (32000, 1024, 8, 16, 8, 1024)
     steps = 10 if args.quick else 30
