@@ -379,3 +379,22 @@ def test_dropping_a_borrow_drops_the_borrows_of_its_tensor_first(mesh2x2):
             torch.neg(xo)
         x.add_(1)
         assert values(x) == [2.0, 2.0]
+
+
+def test_backend_network_init_gives_every_existing_stream_a_communicator(mesh2x2):
+    """spec §5: after the world communicator, one communicator over all ranks per existing stream, in ascending
+    stream order, handed to the streams (kept, as in Monarch; ``Reduce`` uses the ``SplitComm`` ones)."""
+    side = dm.Stream("side")
+    with mesh2x2.activate():
+        with side.activate():
+            torch.ones(1)  # the side stream exists before the first reduce
+        total = torch.ones(2).reduce("gpu")
+    assert values(total) == [2.0, 2.0]
+    session_id = mesh2x2._session.id
+
+    def comm_sizes(dask_worker):
+        streams = dask_worker.plugins["dask-monarch"].sessions[session_id].streams
+        return {sid: stream.comm.size() for sid, stream in streams.items()}
+
+    sizes = mesh2x2._session.client.run(comm_sizes)
+    assert sorted(map(str, sizes.values())) == ["{0: 4, 1: 4}"] * 4

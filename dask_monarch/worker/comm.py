@@ -98,12 +98,16 @@ class Comms:
         self.groups.append(group)
         return group
 
-    def init_world(self, unique_id: str) -> None:
-        """``BackendNetworkInit``: the world communicator, warmed up with an all-reduce of ``zeros([1])``."""
+    def init_world(self, unique_id: str, stream_ids=()) -> dict:
+        """``BackendNetworkInit``: the world communicator, warmed up with an all-reduce of ``zeros([1])``, then one
+        communicator over all ranks per stream of ``stream_ids``, built in ascending stream order (the same on
+        every rank; spec §5). Returns ``{stream id: group}``."""
         self.unique_id = unique_id
-        self.world = self._new_group(f"{unique_id}/world", list(range(self.world_size)))
+        everyone = list(range(self.world_size))
+        self.world = self._new_group(f"{unique_id}/world", everyone)
         warm = torch.zeros([1], device=self.device)
         _wait(self.world.allreduce([warm]), "warm-up all-reduce", f"all {self.world_size} ranks", self)
+        return {sid: self._new_group(f"{unique_id}/stream{sid}", everyone) for sid in sorted(stream_ids)}
 
     def split(self, mesh_id: int, stream_id: int, dims: tuple, members: list[int]):
         """``SplitComm``: the communicator of ``(stream, dims)`` of mesh ``mesh_id`` over global ranks

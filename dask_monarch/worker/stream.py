@@ -144,6 +144,7 @@ class StreamWorker:
         self.enqueued = 0
         self.applied = 0
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
+        self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
         )

@@ -285,13 +285,17 @@ class TensorWorker:
 
     # ------------------------------------------------------------------------------------------------ handlers
     def backend_network_init(self, msg: BackendNetworkInit) -> None:
-        """Build the world communicator (gloo on CPU, NCCL on CUDA) through the scheduler store (spec §5)."""
+        """Build the world communicator (gloo on CPU, NCCL on CUDA) through the scheduler store, and one
+        communicator per existing stream in ascending stream order, handed to the streams (spec §5; as in Monarch,
+        ``Reduce`` then uses the ``SplitComm`` communicators)."""
         if self.comms.world is not None:
             raise FatalError("BackendNetworkInit: the backend network is already initialized for this session")
         try:
-            self.comms.init_world(msg.unique_id)
+            per_stream = self.comms.init_world(msg.unique_id, list(self.streams))
         except CommError as e:
             raise FatalError(f"BackendNetworkInit: {e}") from None
+        for sid, group in per_stream.items():
+            self.streams[sid].comm = group
 
     def split_comm(self, msg: SplitComm) -> None:
         """Build the communicator of ``(stream, sorted dims)``; no-op without a world comm or on a rank that is
