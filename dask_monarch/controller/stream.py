@@ -151,13 +151,13 @@ class Borrow:
         send ``BorrowLastUse`` and ``BorrowDrop``. After a mutable borrow the origin depends on what the borrower
         did (a failure there is raised by a fetch of the origin). Borrows of the borrowed tensor (lent on) are
         dropped first. Idempotent."""
-        if self.dropped:
-            return
-        self.dropped = True
         session = self._session
         ranks = self.origin.mesh._rank_list
         where = "".join(traceback.format_stack(limit=8)[:-1])
-        with session.lock:
+        with session.lock:  # a drop by the user and the collector's deferred one may race: one of them sends
+            if self.dropped:
+                return
+            self.dropped = True
             for nested in session.borrows_of(self.tensor):  # lent on: it shares the memory, so it ends first
                 nested.drop()
             borrowed = session.aliases_of([self.tensor])
