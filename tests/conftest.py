@@ -12,10 +12,15 @@ import subprocess
 import sys
 import time
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
 import dask_monarch as dm
+
+# Worker liveness for sessions that do not set heartbeat_timeout: the 30 s default failed a 4-rank session once on
+# a 2-core machine still loaded by a pip install (a worker's event loop starved); tests of liveness pass their own
+dask.config.set({"monarch.heartbeat-timeout": 120})
 
 
 def _cluster(n: int) -> LocalCluster:

@@ -26,6 +26,7 @@ import weakref
 from collections import deque
 
 import cloudpickle
+import dask
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..exceptions import RemoteException, SessionError
@@ -180,7 +181,8 @@ class Session:
     buffer before the background flusher sends it; ``liveness_interval`` (seconds) is how often a waiting
     fetch checks that the mesh's workers are alive; ``heartbeat_timeout`` (seconds) is how long a worker of the
     mesh may go without a heartbeat to the scheduler (a stopped or wedged process: Dask itself waits for its
-    worker-ttl, 5 minutes) before the session fails naming it; ``record_answers`` keeps every controller
+    worker-ttl, 5 minutes) before the session fails naming it (default: Dask config ``monarch.heartbeat-timeout``,
+    else 30 s); ``record_answers`` keeps every controller
     message received in ``answers`` (for tests and debugging); ``session_id`` is the id to use (default: a
     new uuid; attach registers it with the scheduler first).
 
@@ -197,10 +199,12 @@ class Session:
         max_batch: int = 4096,
         flush_interval: float = 0.005,
         liveness_interval: float = 1.0,
-        heartbeat_timeout: float = 30.0,
+        heartbeat_timeout: float | None = None,
         record_answers: bool = False,
         session_id: str | None = None,
     ):
+        if heartbeat_timeout is None:
+            heartbeat_timeout = dask.config.get("monarch.heartbeat-timeout", 30.0)
         for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
