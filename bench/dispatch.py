@@ -337,8 +337,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
         tw.apply([CreateStream(stream, StreamCreationMode.UseDefaultStream)])
         tw.flush_streams()
         st = tw.streams[0]
-        st.enqueue(lambda _: st.env.update({0: torch.ones(4), 1: torch.ones(4)}), None)
-        st.flush()
+        st.env.update({0: torch.ones(4), 1: torch.ones(4)})  # the stream is idle: nothing queued yet
         segs = segments(messages(10, 0))
         t0 = time.perf_counter()
         for i, seg in enumerate(segs):
@@ -364,12 +363,14 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
         st.env.clear()
         st.env.update({0: a, 1: b})
 
+    stream_handlers = {CallFunction: st.call_function, DeleteRefs: st.delete_refs}
+
     def inline_all():
         for seg in segs:
             tw.apply(_loads(seg))
             items, st.pending = st.pending, []
-            for handler, arg in items:
-                handler(arg)
+            for msg in items:
+                stream_handlers[type(msg)](msg)
 
     def stage_costs() -> list:
         """Each stage with the garbage collector off. The message objects live only in this call: a worker holds
@@ -394,7 +395,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
 
         def run_deletes():
             for m in deletes:
-                st.delete_refs(m.refs)
+                st.delete_refs(m)
 
         return [
             ("  pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])),

@@ -224,3 +224,30 @@ def test_tensors_and_meshes_used_after_exit_raise_session_closed(client1):
         with pytest.raises(dm.SessionError, match=r"is closed \(mesh.exit\(\) was called\)"):
             use()
     mesh.exit()  # a second exit is a no-op
+
+
+def test_worker_gc_threshold_is_raised_while_sessions_run_and_restored_after(client2):
+    """The worker plugin raises gen-0 of Python's GC threshold to ``monarch.gc-threshold`` (20,000) while sessions
+    run (fewer collections of messages in flight) and puts Python's back when the last session ends."""
+    import gc
+
+    def threshold():
+        return gc.get_threshold()[0]
+
+    def wait_for(expected):
+        deadline = time.monotonic() + 30
+        while set(client2.run(threshold).values()) != {expected} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return set(client2.run(threshold).values())
+
+    assert wait_for(700) == {700}  # Python's default, once earlier tests' sessions have ended on the workers
+    first = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    second = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    for mesh in (first, second):
+        with mesh.activate():
+            assert dm.inspect(torch.ones(1) + mesh.rank("dp")).tolist() == [1.0]  # the session runs on the workers
+    assert set(client2.run(threshold).values()) == {20_000}
+    first.exit()
+    assert set(client2.run(threshold).values()) == {20_000}  # a session still runs
+    second.exit()
+    assert wait_for(700) == {700}
