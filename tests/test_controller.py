@@ -364,3 +364,21 @@ def test_torch_op_with_optional_tensors(mesh2x2):
     expected = torch.nn.functional.layer_norm(lx, (4,))
     assert torch.allclose(ln, expected, atol=1e-6)
     assert torch.allclose(lv, expected * 2 + 0.5, atol=1e-6)
+
+
+def test_module_to_converts_remote_parameters(mesh2x2):
+    """``nn.Module.to()`` sets ``param.data`` on every parameter: the remote handles keep working, with the
+    converted values, and a local value is refused (LOCAL_TENSOR)."""
+    with mesh2x2.activate():
+        model = torch.nn.Linear(3, 2)
+        before = [dm.inspect(p) for p in model.parameters()]
+        model.to(torch.float64)
+        after = [dm.inspect(p) for p in model.parameters()]
+        out = dm.inspect(model(torch.ones(1, 3, dtype=torch.float64)))
+        with pytest.raises(TypeError, match="LOCAL_TENSOR"):
+            with dm.no_mesh.activate():
+                local = torch.zeros(2)
+            model.bias.data = local
+    assert [p.dtype for p in model.parameters()] == [torch.float64, torch.float64]
+    assert all(torch.equal(a, b.double()) for a, b in zip(after, before))
+    assert torch.allclose(out, before[0].double().sum(1, keepdim=True).T + before[1].double())

@@ -288,6 +288,14 @@ class Session:
             aliases = self._storages[key] = weakref.WeakSet()
         aliases.add(tensor)
 
+    def retrack(self, tensor, old_fake) -> None:
+        """``tensor``'s fake changed from ``old_fake`` (a ``.data`` assignment): move it to its new storage's aliases."""
+        key = old_fake.untyped_storage()._cdata
+        aliases = self._storages.get(key)
+        if aliases is not None:  # rebuilt: WeakSet.discard compares with ==, which is a remote op on tensors
+            self._storages[key] = weakref.WeakSet(t for t in aliases if t is not tensor)
+        self.track(tensor)
+
     def aliases_of(self, tensors) -> list:
         """Every live tensor that shares storage with one of ``tensors`` (these included), by ref id."""
         found = {}

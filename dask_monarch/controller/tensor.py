@@ -57,6 +57,52 @@ class Tensor(torch.Tensor):
 
         return run_op(func, args, kwargs or {})
 
+    # ------------------------------------------------------------------------------------------------- .data
+    @property
+    def data(self):
+        """A remote alias of this tensor outside autograd (``torch.Tensor.data``)."""
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value) -> None:
+        """``t.data = value``, which ``nn.Module.to()``/``.double()``/``.cuda()`` do to every parameter: this handle
+        keeps its ref, which on every rank now holds an alias of ``value`` (``DeleteRefs`` of the old value, then
+        ``CallFunction(aten.alias)`` into the same ref). Raises ``TypeError`` (LOCAL_TENSOR, WRONG_MESH,
+        WRONG_STREAM, DROPPED, BORROWED) for a value this handle cannot take."""
+        from ..protocol import ArgsKwargs, CallFunction, DeleteRefs
+        from .dispatch import op_path, propagating
+        from .stream import check_access
+
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"LOCAL_TENSOR: cannot set .data of remote tensor {self.ref!r} to a local {type(value).__name__}"
+            )
+        if value.mesh._session is not self.mesh._session or value.mesh._rank_list != self.mesh._rank_list:
+            raise TypeError(f"WRONG_MESH: cannot set .data of {self.ref!r} ({self.mesh!r}) to a tensor of {value.mesh!r}")
+        self.check_usable()
+        value.check_usable()
+        session = self.mesh._session
+        alias = torch.ops.aten.alias.default
+        with session.lock:
+            session.check_ok()
+            check_access(self.stream, [value, self], [self])
+            with propagating(), session.fake_mode:
+                fake = alias(value._fake)  # shares value's fake storage: the two are aliases from now on
+            ranks = self.mesh._rank_list
+            # the ref keeps its id (messages already queued pickle it when they are sent), so it is freed and
+            # written again, in that order, on every rank
+            session.send(DeleteRefs([self.ref]), ranks)
+            seq = session.new_seq()
+            session.record(seq, defs=[self.ref.id], uses=[value.ref.id], what=".data assignment")
+            session.send(
+                CallFunction(seq, [self.ref], (), op_path(alias), ArgsKwargs((value,), {}),
+                             self.stream.ref_for(session), ()),
+                ranks,
+            )
+            torch.Tensor.data.__set__(self, value)  # shape, strides, dtype and device, as torch does
+            old_fake, self._fake = self._fake, fake
+            session.retrack(self, old_fake)
+
     # ---------------------------------------------------------------------------------------------- reductions
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out: "Tensor | None" = None):
         """``dask_monarch.reduce`` of this tensor; see there (spec §1 ``t.reduce``)."""
