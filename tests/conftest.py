@@ -66,14 +66,16 @@ def mesh2x2(client4):
     mesh._session.closed or _quiet_exit(mesh)
 
 
-def _cli_cluster(tmp_path, worker_args=((), ())):
+def _cli_cluster(tmp_path, worker_args=((), ()), worker_envs=None):
     """Start a scheduler and one worker per entry of ``worker_args`` (extra ``dask worker`` arguments) with the
-    command lines; yield the scheduler address and the processes (scheduler first); stop them."""
+    command lines; yield the scheduler address and the processes (scheduler first); stop them. ``worker_envs``
+    gives each worker environment changes (a value of None removes the variable)."""
     scheduler_file = tmp_path / "scheduler.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    bindir = os.path.dirname(sys.executable)
+    script = os.path.join(os.path.dirname(sys.executable), "dask")
+    dask_cli = [script] if os.path.exists(script) else [sys.executable, "-m", "dask"]  # no script: --target installs
     procs = [subprocess.Popen(
-        [os.path.join(bindir, "dask"), "scheduler", "--port", "0", "--dashboard-address", ":0",
+        [*dask_cli, "scheduler", "--port", "0", "--dashboard-address", ":0",
          "--scheduler-file", str(scheduler_file)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )]
@@ -82,10 +84,11 @@ def _cli_cluster(tmp_path, worker_args=((), ())):
         while not scheduler_file.exists() and time.time() < deadline:
             time.sleep(0.2)
         address = json.loads(scheduler_file.read_text())["address"]
-        for extra in worker_args:
+        for extra, changes in zip(worker_args, worker_envs or [{}] * len(worker_args)):
+            worker_env = {k: v for k, v in {**env, **changes}.items() if v is not None}
             procs.append(subprocess.Popen(
-                [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--no-dashboard", *extra],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [*dask_cli, "worker", address, "--nthreads", "1", "--no-dashboard", *extra],
+                env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))
         yield address, procs
     finally:

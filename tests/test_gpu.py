@@ -253,47 +253,16 @@ def test_killed_peer_during_an_nccl_reduce_fails_the_session_naming_it():
         cluster.close()
 
 
-def _command_line_cluster(tmp_path, visible: list):
-    """``python -m dask scheduler`` and one ``python -m dask worker`` per entry of ``visible`` (its
-    ``CUDA_VISIBLE_DEVICES``, or None to leave every GPU visible); yields the scheduler address."""
-    import json
-    import time
-
-    scheduler_file = tmp_path / "scheduler.json"
-    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "dask", "scheduler", "--port", "0", "--dashboard-address", ":0",
-         "--scheduler-file", str(scheduler_file)], env=base,
-    )]
-    try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for devices in visible:
-            env = dict(base) if devices is None else {**base, "CUDA_VISIBLE_DEVICES": devices}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dask", "worker", address, "--nthreads", "1", "--no-dashboard"], env=env,
-            ))
-        yield address
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 @pytest.mark.parametrize("visible", [["0,1", "1,0"], [None, None]], ids=["rotated", "every-gpu-visible"])
 def test_command_line_workers_take_distinct_gpus(tmp_path, visible):
     """Workers started with ``dask worker`` as ``dask cuda worker`` starts them (rotated CUDA_VISIBLE_DEVICES), or
     all seeing every GPU: each rank computes on its own GPU and NCCL works across them (issue 4, item 1)."""
     from distributed import Client
 
-    gen = _command_line_cluster(tmp_path, visible)
-    address = next(gen)
+    from conftest import _cli_cluster
+
+    gen = _cli_cluster(tmp_path, [()] * len(visible), [{"CUDA_VISIBLE_DEVICES": v} for v in visible])
+    address, _ = next(gen)
     try:
         with Client(address) as client:
             client.wait_for_workers(2, timeout=120)

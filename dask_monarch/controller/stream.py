@@ -205,6 +205,7 @@ def check_access(stream: Stream, reads, writes) -> None:
     if session is None:
         return
     written = {id(t) for t in writes}
+    used = []  # borrows whose tensors this operation uses: their first use goes out once every check passed
     for t in reads:
         borrow = session.borrow_by_alias(t)
         if borrow is not None:
@@ -213,6 +214,7 @@ def check_access(stream: Stream, reads, writes) -> None:
                     f"MUTATING_BORROW: tensor {t.ref!r} would be mutated, but it was borrowed read-only "
                     f"({borrow!r}); borrow it with mutable=True to write to it"
                 )
+            used.append(borrow)
         for lent in session.borrows_of(t):  # a borrowed tensor may be lent on in turn
             if lent.mutable:
                 raise TypeError(
@@ -224,7 +226,5 @@ def check_access(stream: Stream, reads, writes) -> None:
                     f"MUTATING_BORROW: tensor {t.ref!r} would be mutated while it is borrowed read-only ({lent!r}); "
                     f"drop the borrow first"
                 )
-    for t in reads:
-        borrow = session.borrow_by_alias(t)
-        if borrow is not None:
-            borrow.use()
+    for borrow in used:
+        borrow.use()
