@@ -37,6 +37,9 @@ class FunctionPath:
     def __repr__(self) -> str:
         return f'<function "{self.path}">'
 
+    def __reduce__(self):
+        return (FunctionPath, (self.path,))
+
 
 @dataclass(slots=True, frozen=True)
 class Cloudpickle:

@@ -1,14 +1,15 @@
 """Every ``WorkerMessage`` variant of the seed ``worker.rs`` and the ``ControllerMessage`` variants.
 
 Names and fields follow the seed; the behaviour of each is spec §2 (and §4, §5, §7 for borrows, comms and
-recordings). Each class validates its fields when constructed on the controller (``ProtocolError`` naming the
-message and the field); the worker calls :func:`validate` on what it receives, because unpickling does not
-construct through ``__init__``.
+recordings). Each class validates its fields when constructed (``ProtocolError`` naming the message and the
+field), and pickles as a call of its constructor, so the worker validates what it receives while unpickling it
+(a message changed after construction included). :func:`validate` checks a message built in-process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -279,10 +280,37 @@ def validate(msg, where: str | None = None) -> None:
 
 
 def _message(cls):
-    """Make ``cls`` a slotted dataclass whose constructor validates its fields."""
+    """Make ``cls`` a slotted dataclass whose constructor validates its fields, and which pickles as a call of
+    that constructor: the receiver validates every message while unpickling it."""
     cls = dataclass(slots=True)(cls)
-    _FIELD_CHECKS[cls] = tuple((f.name, *_CHECKS[f.type]) for f in dataclasses.fields(cls))
+    fields = dataclasses.fields(cls)
+    _FIELD_CHECKS[cls] = tuple((f.name, *_CHECKS[f.type]) for f in fields)
+    cls.__reduce__ = _constructor_call(cls, tuple(f.name for f in fields))
     return cls
+
+
+def _constructor_call(cls, names: tuple):
+    values = operator.attrgetter(*names)
+    single = len(names) == 1
+
+    def __reduce__(self):
+        try:
+            args = values(self)
+        except AttributeError:  # built without its constructor: unpickling names the missing field
+            return (_unbuilt, (cls, {name: getattr(self, name) for name in names if hasattr(self, name)}))
+        return (cls, (args,) if single else args)
+
+    return __reduce__
+
+
+def _unbuilt(cls, fields: dict):
+    """Unpickle a message that was built without its constructor: raises ``ProtocolError`` naming what is
+    missing (``validate``)."""
+    msg = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(msg, name, value)
+    validate(msg)
+    return msg
 
 
 class _Validated:
