@@ -9,6 +9,7 @@ global rank, as NCCL's split does.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 
 import torch
@@ -181,6 +182,7 @@ def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
 _BITWISE = (Reduction.Band, Reduction.Bor, Reduction.Bxor)
 
 
+@functools.lru_cache(maxsize=256)
 def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype, device: torch.device | None = None) -> str | None:
     """Why ``backend`` cannot run ``reduction`` over ``dtype`` tensors on ``device``, or None. Decided from the
     Reduce's factory, so every rank decides the same and they skip the collective together (gloo itself fails
@@ -198,6 +200,14 @@ def unsupported(backend: str, reduction: Reduction, dtype: torch.dtype, device: 
     else:
         return None
     return f"{backend} cannot reduce {reduction.value!r} over {dtype} tensors: {why}"
+
+
+@functools.lru_cache(maxsize=None)
+def _allreduce_options(reduction: Reduction) -> dist.AllreduceOptions:
+    """Options of an all-reduce with ``reduction``, built once (the process group copies what it needs)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[reduction]
+    return opts
 
 
 def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out,
@@ -248,10 +258,8 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             output = out.copy_(tensor)
         else:
             output = tensor.clone()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = opts_op
         dense = output if output.is_contiguous() else output.contiguous()
-        _wait(group.allreduce([dense], opts), "all-reduce", members, comms)
+        _wait(group.allreduce([dense], _allreduce_options(reduction)), "all-reduce", members, comms)
         if dense is not output:
             output.copy_(dense)
         return output
