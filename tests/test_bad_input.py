@@ -152,6 +152,14 @@ def test_message_with_a_bad_field_fails_the_session_naming_the_field(mesh1, clie
     assert_cluster_serves(client1)
 
 
+def test_call_function_with_a_bad_field_fails_the_session_naming_the_field(mesh1, client1, worker_pids):
+    msg = call_on(ST0, mesh1._session.new_seq())
+    msg.results = ["r1"]  # mutated after construction; it travels in stream 0's segment (protocol/batch.py)
+    error = fails_fatally(mesh1, msg)
+    assert "malformed message: CallFunction.results[0]: expected a Ref or None, got 'r1' (str)" in str(error)
+    assert_cluster_serves(client1)
+
+
 def test_message_built_without_its_constructor_fails_the_session(mesh1, client1, worker_pids):
     error = fails_fatally(mesh1, object.__new__(GetRefUnitTestsOnly))
     assert "GetRefUnitTestsOnly.value: missing" in str(error)

@@ -2,8 +2,9 @@
 
 Messages are buffered and flushed as one pinned Dask task per worker: after ``max_batch`` messages, before any
 wait, and by a background flusher a few milliseconds after the first buffered message. Consecutive messages
-for the same set of ranks form a segment that is pickled once and shared by every rank's task, so a message to
-every rank is serialized once. Each rank's tasks carry an increasing batch number; the worker's inbox restores
+for the same set of ranks (and the same stream, for messages that run on one stream) form a segment that is
+pickled once and shared by every rank's task, so a message to every rank is serialized once
+(``protocol/batch.py``). Each rank's tasks carry an increasing batch number; the worker's inbox restores
 the order that Dask does not keep.
 
 Answers come back from the ``sync_batch`` tasks (keys ``monarch-fetch-...``, ``monarch-status-...``,
@@ -30,6 +31,7 @@ import dask
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..exceptions import RemoteException, SessionError
+from ..protocol import batch
 from ..protocol import (
     BackendNetworkInit,
     CommandGroup,
@@ -455,17 +457,12 @@ class Session:
                 items.append((self._all, Exit(None)))
         if not items:
             return None
-        # consecutive messages with the same targets form one segment, pickled once
-        segments: list[tuple[tuple, bytes]] = []
-        start = 0
-        for i in range(1, len(items) + 1):
-            if i == len(items) or items[i][0] != items[start][0]:
-                segments.append((items[start][0], _dumps([m for _, m in items[start:i]])))
-                start = i
+        # consecutive messages with the same targets (and stream, for stream messages) form one segment, pickled
+        # once (protocol/batch.py)
         per_rank: list[list] = [[] for _ in range(self.world_size)]
-        for targets, blob in segments:
+        for targets, segment in batch.segments(items, _dumps):
             for r in targets:
-                per_rank[r].append(blob)
+                per_rank[r].append(segment)
         futures = {}
         for rank, blobs in enumerate(per_rank):
             if not blobs:

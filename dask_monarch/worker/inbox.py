@@ -1,4 +1,5 @@
-"""``Inbox``: the per-(session, worker) reorder buffer (DESIGN.md "Seed concept -> Dask concept").
+"""``Inbox``: the per-(session, worker) reorder buffer (DESIGN.md "Seed concept -> Dask concept"), and
+``load_segment``, which opens the pickled segments of its batches.
 
 Dask runs pinned tasks out of order (LIFO ties; spec/dask-notes.md §0, §1.5), so every batch carries its
 sequence number and the dispatcher takes batches strictly in that order. A duplicate delivery is ignored.
@@ -6,9 +7,33 @@ sequence number and the dispatcher takes batches strictly in that order. A dupli
 
 from __future__ import annotations
 
+import gc
+import pickle
 import threading
 
-__all__ = ["Inbox"]
+from ..protocol import ProtocolError
+from .errors import FatalError
+
+__all__ = ["Inbox", "load_segment"]
+
+
+def load_segment(segment: bytes) -> list:
+    """The messages of a pickled segment (``protocol/batch.py``), unpickled with the cyclic garbage collector
+    paused: a segment allocates thousands of small objects, and the collections they would trigger cost several
+    times the unpickling itself. Messages pickle as calls of their validating constructors
+    (``protocol/messages.py``): a malformed one raises ``FatalError`` ("malformed message: ...") here, as does a
+    segment that cannot be unpickled."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return pickle.loads(segment)
+    except ProtocolError as e:
+        raise FatalError(f"malformed message: {e}") from None
+    except Exception as e:
+        raise FatalError(f"could not unpickle a message batch: {type(e).__name__}: {e}") from None
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Inbox:
@@ -21,7 +46,7 @@ class Inbox:
         self._closed = False
 
     def put(self, batch_seq: int, segments: list) -> bool:
-        """Accept batch ``batch_seq`` (a list of pickled segments). Returns False for a duplicate."""
+        """Accept batch ``batch_seq`` (a list of segments, ``protocol/batch.py``). Returns False for a duplicate."""
         with self._cond:
             if self._closed or batch_seq < self._next or batch_seq in self._pending:
                 return False

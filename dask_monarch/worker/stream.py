@@ -35,13 +35,15 @@ from ..protocol import (
     WorkerError,
     resolve_function,
 )
+from ..protocol.batch import STREAM_MESSAGES
 from ..protocol.function import TEST_PANIC
 from . import comm
 from .borrow import BorrowStep, SessionOver
 from .device import pin
 from .errors import DependentError, FatalError, SeqError
+from .inbox import load_segment
 
-__all__ = ["StreamWorker", "StatusBarrier"]
+__all__ = ["StreamWorker", "StreamSegment", "StatusBarrier"]
 
 _MISSING = object()
 _STOP = object()
@@ -126,6 +128,16 @@ class StatusBarrier:
             self.tw.emit_status(self.seq, self.controller)
 
 
+class StreamSegment:
+    """``count`` pickled messages that all run on one stream (``protocol/batch.py``), queued on it unopened."""
+
+    __slots__ = ("count", "blob")
+
+    def __init__(self, count: int, blob: bytes):
+        self.count = count
+        self.blob = blob
+
+
 class StreamWorker:
     """Stream ``ref`` of ``tensor_worker``. ``creation`` is the ``StreamCreationMode``: on a GPU worker the
     device's current stream (``UseDefaultStream``) or a new ``torch.cuda.Stream`` (``CreateNewStream``), made on
@@ -143,6 +155,7 @@ class StreamWorker:
         #: difference is the stream's backlog (``worker/metrics.py``)
         self.enqueued = 0
         self.applied = 0
+        self._segment_extra = 0  # messages in the pending segments beyond one each
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
         self.thread = threading.Thread(
@@ -156,9 +169,15 @@ class StreamWorker:
         delivered at the next ``flush``."""
         self.pending.append(msg)
 
+    def enqueue_segment(self, segment: StreamSegment) -> None:
+        """Queue a ``StreamSegment``: its messages run on this stream's thread, in order, at its place."""
+        self.pending.append(segment)
+        self._segment_extra += segment.count - 1
+
     def flush(self) -> None:
         if self.pending:
-            self.enqueued += len(self.pending)
+            self.enqueued += len(self.pending) + self._segment_extra
+            self._segment_extra = 0
             self._queue.put(self.pending)
             self.pending = []
 
@@ -210,6 +229,9 @@ class StreamWorker:
                 for msg in items:
                     if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
                         break
+                    if type(msg) is StreamSegment:
+                        self.run_segment(msg, handlers)
+                        continue
                     handlers[type(msg)](msg)
                     self.applied += 1
             except SessionOver:
@@ -218,6 +240,19 @@ class StreamWorker:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
                 tw.fail(f"stream {self.ref.id}: unexpected error\n{traceback.format_exc()}")
+
+    def run_segment(self, segment: StreamSegment, handlers: dict) -> None:
+        """Unpickle a ``StreamSegment`` here, on the stream's thread, and run its messages in order. A message that
+        may not travel in a stream's segment, or that names another stream, is a fatal error (a controller bug)."""
+        tw = self.tw
+        sid = self.ref.id
+        for msg in load_segment(segment.blob):
+            if tw.failure is not None:
+                return
+            if type(msg) not in STREAM_MESSAGES or msg.stream.id != sid:
+                raise FatalError(f"a segment for stream {sid} holds {type(msg).__name__} {msg!r:.200}")
+            handlers[type(msg)](msg)
+            self.applied += 1
 
     def _root_error(self, seq: int, text: str | None = None) -> SeqError:
         """Record a root failure of ``seq`` and report ``RemoteFunctionFailed`` once (spec §3)."""

@@ -2,7 +2,8 @@
 (seed ``WorkerActor`` in ``lib.rs``; spec §2).
 
 Batches arrive through the ``Inbox`` in the controller's order. One dispatcher thread unpickles them and applies
-each message with the handler named after it (``CallFunction`` -> ``call_function``, ...). Handlers that belong to
+each message with the handler named after it (``CallFunction`` -> ``call_function``, ...); a segment of messages
+that all run on one stream goes to that stream unopened (``protocol/batch.py``). Handlers that belong to
 a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. Answers for the
 controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox, which the
 ``sync_batch`` tasks drain.
@@ -11,9 +12,7 @@ controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect 
 from __future__ import annotations
 
 import collections
-import gc
 import logging
-import pickle
 import threading
 import traceback
 
@@ -36,7 +35,6 @@ from ..protocol import (
     Exit,
     GetRefUnitTestsOnly,
     PipeRecv,
-    ProtocolError,
     RecordingFormal,
     RecordingResult,
     Reduce,
@@ -51,31 +49,18 @@ from ..protocol import (
     Status,
     StreamRef,
     WorkerError,
-    validate,
 )
 from .borrow import Borrow, BorrowStep
 from .comm import CommError, Comms
 from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
-from .inbox import Inbox
-from .stream import StatusBarrier, StreamWorker
+from .inbox import Inbox, load_segment
+from .stream import StatusBarrier, StreamSegment, StreamWorker
 
 __all__ = ["TensorWorker", "SessionParams"]
 
 logger = logging.getLogger("dask_monarch.worker")
-
-
-def _loads(segment: bytes) -> list:
-    """Unpickle a segment with the cyclic garbage collector paused: a batch allocates thousands of small objects,
-    and the collections they would trigger cost several times the unpickling itself."""
-    if not gc.isenabled():
-        return pickle.loads(segment)
-    gc.disable()
-    try:
-        return pickle.loads(segment)
-    finally:
-        gc.enable()
 
 
 class SessionParams(tuple):
@@ -170,10 +155,10 @@ class TensorWorker:
                 continue
             try:
                 for segment in segments:
-                    try:
-                        messages = _loads(segment)
-                    except Exception as e:
-                        raise FatalError(f"could not unpickle a message batch: {type(e).__name__}: {e}") from None
+                    if type(segment) is tuple:  # (stream id, count, bytes): for that stream's thread to open
+                        self.stream_segment(*segment)
+                        continue
+                    messages = load_segment(segment)
                     self.received += len(messages)
                     self.apply(messages)
                     if self.closed:
@@ -188,17 +173,27 @@ class TensorWorker:
             self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
 
     def apply(self, messages) -> None:
-        """Apply ``messages`` in order. A malformed message or a fatal error stops here (``FatalError``)."""
+        """Apply ``messages`` (validated: unpickled through their constructors) in order. Something that is not a
+        worker message, or a fatal error, stops here (``FatalError``)."""
         handlers = self._handlers
         for msg in messages:
             handler = handlers.get(type(msg))
-            try:
-                validate(msg)
-            except ProtocolError as e:
-                raise FatalError(f"malformed message: {e}") from None
+            if handler is None:
+                raise FatalError(f"malformed message: expected a WorkerMessage, got {type(msg).__name__}")
             handler(msg)
             if self.failure is not None or self.closed:
                 return
+
+    def stream_segment(self, stream_id, count, blob) -> None:
+        """Hand a stream segment (``count`` pickled messages that all run on stream ``stream_id``;
+        ``protocol/batch.py``) to that stream unopened."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            raise FatalError(
+                f"a batch of {count} messages for unknown stream {stream_id} (known streams: {sorted(self.streams)})"
+            )
+        self.received += count
+        stream.enqueue_segment(StreamSegment(count, blob))
 
     def flush_streams(self) -> None:
         for stream in self.streams.values():
@@ -318,15 +313,15 @@ class TensorWorker:
         mesh.comms[key] = (len(members), group)
 
     def call_function(self, msg: CallFunction) -> None:
-        stream = self._stream(msg.stream, f"CallFunction seq {msg.seq}")
+        stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, f"CallFunction seq {msg.seq}")
         stream.enqueue(msg)
 
     def send_value(self, msg: SendValue) -> None:
-        stream = self._stream(msg.stream, f"SendValue seq {msg.seq}")
+        stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, f"SendValue seq {msg.seq}")
         stream.enqueue(msg)
 
     def reduce(self, msg: Reduce) -> None:
-        stream = self._stream(msg.stream, "Reduce")
+        stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, "Reduce")
         stream.enqueue(msg)
 
     def command_group(self, msg: CommandGroup) -> None:

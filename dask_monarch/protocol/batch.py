@@ -1,0 +1,42 @@
+"""How the messages of one batch (one Dask task; DESIGN.md "Seed concept -> Dask concept") travel: segments.
+
+A batch is a list of segments, each pickled once on the controller and shared by every rank it goes to:
+
+* ``bytes``: messages for the worker's dispatcher, which applies them in order;
+* ``(stream_id, count, bytes)``: ``count`` consecutive messages that all run on stream ``stream_id`` and touch
+  nothing else (``STREAM_MESSAGES``). The dispatcher hands the bytes to that stream unopened, and the stream's
+  thread unpickles and runs them: the dispatcher thread then does not compete with the stream thread for the
+  GIL message by message (DESIGN.md "Performance design": the worker's per-message cost is the budget).
+
+Either way the messages of a segment run in order, and segments in batch order, so the order of a stream's
+messages is the controller's.
+"""
+
+from __future__ import annotations
+
+from .messages import CallFunction, Reduce, SendValue
+
+__all__ = ["STREAM_MESSAGES", "lane", "segments"]
+
+#: messages whose whole effect is on their own ``stream``: they may travel in a stream's segment
+STREAM_MESSAGES = (CallFunction, SendValue, Reduce)
+
+
+def lane(msg) -> int | None:
+    """The stream id whose segment ``msg`` may travel in, or None for a dispatcher segment."""
+    return msg.stream.id if type(msg) in STREAM_MESSAGES else None
+
+
+def segments(items: list, dumps) -> list:
+    """``[(targets, segment)]`` for ``items``, a list of ``(targets, message)``: consecutive messages with the same
+    targets and the same ``lane`` form one segment, pickled with ``dumps`` (a list of messages -> bytes)."""
+    out = []
+    keys = [(targets, lane(msg)) for targets, msg in items]
+    start = 0
+    for i in range(1, len(items) + 1):
+        if i == len(items) or keys[i] != keys[start]:
+            targets, stream_id = keys[start]
+            blob = dumps([msg for _, msg in items[start:i]])
+            out.append((targets, blob if stream_id is None else (stream_id, i - start, blob)))
+            start = i
+    return out

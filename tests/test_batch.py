@@ -1,0 +1,106 @@
+"""Batch framing (protocol/batch.py): which messages travel in a stream's segment, and what the worker does with
+a segment it cannot run. The worker cases feed a ``TensorWorker`` wire input that the controller never builds."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from dask_monarch.protocol import (
+    ArgsKwargs,
+    CallFunction,
+    CreateStream,
+    DeleteRefs,
+    FunctionPath,
+    ProtocolError,
+    Ref,
+    RequestStatus,
+    SendValue,
+    StreamCreationMode,
+    StreamRef,
+)
+from dask_monarch.protocol import batch
+from dask_monarch.worker.tensor_worker import TensorWorker
+
+S0, S1 = StreamRef(0), StreamRef(1)
+ONES = FunctionPath("torch.ops.aten.ones.default")
+
+
+def call(seq: int, ref: int, stream=S0) -> CallFunction:
+    return CallFunction(seq, [Ref(ref)], [], ONES, ArgsKwargs(([2],)), stream, [])
+
+
+def test_segments_split_by_targets_and_stream():
+    items = [
+        ((0, 1), call(0, 10)),
+        ((0, 1), call(1, 11)),
+        ((0, 1), call(2, 12, S1)),
+        ((0, 1), DeleteRefs([Ref(10)])),
+        ((0, 1), RequestStatus(3, False)),
+        ((1,), call(4, 13)),
+        ((1,), SendValue(5, None, [], None, ArgsKwargs((Ref(13),)), S0)),
+    ]
+    out = batch.segments(items, pickle.dumps)
+    shapes = [(targets, seg[:2] if type(seg) is tuple else "dispatcher") for targets, seg in out]
+    assert shapes == [((0, 1), (0, 2)), ((0, 1), (1, 1)), ((0, 1), "dispatcher"), ((1,), (0, 2))]
+    # a segment holds exactly its messages, in order
+    assert [m.seq for m in pickle.loads(out[0][1][2])] == [0, 1]
+    assert [type(m) for m in pickle.loads(out[2][1])] == [DeleteRefs, RequestStatus]
+
+
+def test_a_message_changed_after_construction_fails_while_unpickling():
+    msg = call(0, 10)
+    msg.seq = -1
+    try:
+        pickle.loads(pickle.dumps(msg))
+    except ProtocolError as e:
+        assert str(e).startswith("CallFunction.seq: expected a non-negative int, got -1")
+    else:
+        raise AssertionError("unpickling a malformed CallFunction did not raise")
+
+
+def _worker(tag: str) -> TensorWorker:
+    tw = TensorWorker(None, f"test-batch-{tag}", 0, 1)
+    tw.inbox.put(0, [pickle.dumps([CreateStream(S0, StreamCreationMode.UseDefaultStream)])])
+    return tw
+
+
+def _failure(tw: TensorWorker) -> str:
+    tw.wait_closed()
+    tw.thread.join(10)
+    return tw.failure
+
+
+def test_stream_segment_runs_on_its_stream():
+    tw = _worker("ok")
+    tw.inbox.put(1, [(0, 2, pickle.dumps([call(1, 10), call(2, 11)])), pickle.dumps([RequestStatus(3, False)])])
+    tw.wait_status(3)
+    assert tw.failure is None
+    assert torch.equal(tw.streams[0].env[11], torch.ones(2))
+    assert tw.received == 4  # CreateStream, the 2 calls (counted from the segment's header), RequestStatus
+    assert tw.streams[0].applied == 3  # the 2 calls and the status barrier
+    tw.close()
+
+
+def test_segment_for_an_unknown_stream_fails_the_session_naming_it():
+    tw = _worker("unknown")
+    tw.inbox.put(1, [(7, 1, pickle.dumps([call(1, 10, StreamRef(7))]))])
+    text = _failure(tw)
+    assert "a batch of 1 messages for unknown stream 7 (known streams: [0])" in text
+
+
+def test_segment_holding_another_streams_message_fails_the_session():
+    tw = _worker("mixed")
+    tw.inbox.put(1, [(0, 2, pickle.dumps([call(1, 10), call(2, 11, S1)]))])
+    text = _failure(tw)
+    assert text.startswith("stream 0: a segment for stream 0 holds CallFunction")
+
+
+def test_malformed_message_in_a_stream_segment_fails_the_session_naming_the_field():
+    tw = _worker("malformed")
+    bad = call(1, 10)
+    bad.results = [5]
+    tw.inbox.put(1, [(0, 1, pickle.dumps([bad]))])
+    text = _failure(tw)
+    assert "malformed message: CallFunction.results[0]: expected a Ref or None, got 5 (int)" in text
