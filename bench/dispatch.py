@@ -3,7 +3,10 @@ measured in the same run (DESIGN.md "Performance design").
 
 (a) raw: tiny ``CallFunction`` messages (``aten.add.Tensor`` on two 4-element CPU tensors, each into a new ref,
     with a ``DeleteRefs`` every 1000) sent through ONE worker with the low-level session API
-    (``session.send(msg, [0])``, then ``session.sync(...).result()``). Rate from the first send to the ``Status``
+    (``session.send(msg, [0])``, then ``session.sync(...).result()``). The messages are built before the clock
+    starts and frozen out of the controller's garbage collector (``gc.freeze``): they stand for work a program
+    would create as it goes, and hundreds of thousands of them alive at once made each full collection of the
+    controller take a quarter of a second. Rate from the first send to the ``Status``
     answer; target: at least 50,000 messages/s. Also the worker-side apply rate (two ``time.perf_counter``
     calls run as messages, first and last, on the worker's stream) and the worker's time in Python's garbage
     collector (``gc.callbacks`` installed with ``client.run``; nothing on the hot path).
@@ -122,12 +125,19 @@ def raw_round(mesh, a: Ref, b: Ref, n: int, delete_every: int = 1000, worker_gc:
     if not worker_gc:
         was_enabled = session.client.run(_gc_set, False, workers=[worker])[worker]
 
-    t0 = time.perf_counter()
-    for message in messages:
-        session.send(message, [0])
-    t_sent = time.perf_counter()
-    session.sync("raw dispatch").result()
-    t1 = time.perf_counter()
+    # the prebuilt messages are the benchmark's, not the controller's: keep them out of the controller's
+    # collections (a full collection walks every live object, and these are hundreds of thousands)
+    gc.collect()
+    gc.freeze()
+    try:
+        t0 = time.perf_counter()
+        for message in messages:
+            session.send(message, [0])
+        t_sent = time.perf_counter()
+        session.sync("raw dispatch").result()
+        t1 = time.perf_counter()
+    finally:
+        gc.unfreeze()
 
     gc_stats = session.client.run(_gc_timer_read, workers=[worker])[worker]
     if not worker_gc:
@@ -143,6 +153,7 @@ def raw_round(mesh, a: Ref, b: Ref, n: int, delete_every: int = 1000, worker_gc:
         "apply": n / (w1 - w0),
         "send_loop_s": t_sent - t0,
         "first_apply_s": w0 - t0,
+        "after_last_s": t1 - w1,
         "gc_share": gc_stats["seconds"] / (t1 - t0),
         "gc": gc_stats,
     }
@@ -297,8 +308,10 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
 def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
     """Per-message costs (microseconds) of a ``TensorWorker`` driven in this process, stage by stage (a row
     whose cost is None is a heading)."""
-    from dask_monarch.protocol import CreateStream, RequestStatus, StreamCreationMode, StreamRef, validate
-    from dask_monarch.worker.tensor_worker import TensorWorker, _loads  # _loads: how the dispatcher unpickles
+    from dask_monarch.protocol import CreateStream, RequestStatus, StreamCreationMode, StreamRef
+    from dask_monarch.protocol import batch
+    from dask_monarch.worker.inbox import load_segment  # how the worker unpickles a segment
+    from dask_monarch.worker.tensor_worker import TensorWorker
 
     stream = StreamRef(0)
 
@@ -317,33 +330,48 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
     def segments(msgs: list) -> list:
         return [pickle.dumps(msgs[i:i + 4096], protocol=5) for i in range(0, len(msgs), 4096)]
 
+    def sync() -> None:  # GPU ops are asynchronous: a stage ends when the device has run what it issued
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
     def per_msg(fn, reset=None, repeats: int = 3) -> float:
         """Best of ``repeats`` (the machine is shared: the minimum is the cost, the rest is interference)."""
         best = float("inf")
         for _ in range(repeats):
             if reset is not None:
                 reset()
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             best = min(best, (time.perf_counter() - t0) / n * 1e6)
         return best
 
-    def threaded(tag: str) -> float:
-        """The real thing: dispatcher thread + stream thread, batches through the inbox (best of 3)."""
-        return min(threaded_once(f"{tag}-{i}") for i in range(3))
+    def threaded(tag: str, through_dispatcher: bool = False) -> float:
+        """The real thing: dispatcher thread + stream thread, batches of 4096 messages through the inbox, framed as
+        the controller frames them (``protocol/batch.py``), or, with ``through_dispatcher``, every message
+        unpickled and handed over by the dispatcher thread. Best of 3."""
+        return min(threaded_once(f"{tag}-{i}", through_dispatcher) for i in range(3))
 
-    def threaded_once(tag: str) -> float:
+    def threaded_once(tag: str, through_dispatcher: bool) -> float:
         tw = TensorWorker(None, f"bench-{tag}", 0, 1)
         tw.apply([CreateStream(stream, StreamCreationMode.UseDefaultStream)])
         tw.flush_streams()
         st = tw.streams[0]
-        st.env.update({0: torch.ones(4), 1: torch.ones(4)})  # the stream is idle: nothing queued yet
-        segs = segments(messages(10, 0))
+        st.env.update({0: small_tensor(None), 1: small_tensor(None)})  # the stream is idle: nothing queued yet
+        msgs = messages(10, 0)
+        chunks = [msgs[i:i + 4096] for i in range(0, len(msgs), 4096)]
+        if through_dispatcher:
+            batches = [[pickle.dumps(chunk, protocol=5)] for chunk in chunks]
+        else:
+            batches = [[seg for _, seg in batch.segments([((0,), m) for m in chunk], pickle.dumps)] for chunk in chunks]
+        del msgs, chunks
         t0 = time.perf_counter()
-        for i, seg in enumerate(segs):
-            tw.inbox.put(i, [seg])
-        tw.inbox.put(len(segs), [pickle.dumps([RequestStatus(n, False)])])
+        for i, segs_i in enumerate(batches):
+            tw.inbox.put(i, segs_i)
+        tw.inbox.put(len(batches), [pickle.dumps([RequestStatus(n, False)])])
         tw.wait_status(n)
+        sync()
         us = (time.perf_counter() - t0) / n * 1e6
         tw.close()
         return us
@@ -355,7 +383,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
     st = tw.streams[0]
     st.stop()
     st.thread.join()
-    a, b = torch.ones(4), torch.ones(4)
+    a, b = small_tensor(None), small_tensor(None)
     segs = segments(messages(10, 0))
     op = torch.ops.aten.add.Tensor
 
@@ -367,7 +395,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
 
     def inline_all():
         for seg in segs:
-            tw.apply(_loads(seg))
+            tw.apply(load_segment(seg))
             items, st.pending = st.pending, []
             for msg in items:
                 stream_handlers[type(msg)](msg)
@@ -398,8 +426,7 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
                 st.delete_refs(m)
 
         return [
-            ("  pickle.loads of 4096-message segments", per_msg(lambda: [pickle.loads(s) for s in segs])),
-            ("  validate() per message", per_msg(lambda: [validate(m) for m in msgs])),
+            ("  pickle.loads of 4096-message segments (validates)", per_msg(lambda: [pickle.loads(s) for s in segs])),
             ("  dispatcher handler + enqueue on the stream", per_msg(apply_no_validate)),
             ("  StreamWorker.call_function (all of it)", per_msg(run_calls, fresh_env)),
             ("    of which the aten.add.Tensor call itself", per_msg(lambda: [op(a, b) for _ in range(n)])),
@@ -419,12 +446,20 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
             gc.enable()
     gc.collect()
     rows.append(("GC on, as in a worker", None))
-    rows.append(("  the dispatcher's _loads (GC paused inside)", per_msg(lambda: [_loads(s) for s in segs])))
+    rows.append(("  load_segment (GC paused inside)", per_msg(lambda: [load_segment(s) for s in segs])))
     rows.append(("  plain pickle.loads, for comparison", per_msg(lambda: [pickle.loads(s) for s in segs])))
     with_gc = per_msg(inline_all, fresh_env)
     rows.append(("  all stages inline, one thread", with_gc))
     rows.append(("  -> Python GC share (GC on - GC off)", with_gc - no_gc))
-    rows.append(("  real TensorWorker (dispatcher + stream threads)", threaded("threaded")))
+    from dask_monarch.worker.plugin import GC_THRESHOLD
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD, *thresholds[1:])  # what the worker plugin sets while sessions run
+    try:
+        rows.append((f"  real TensorWorker (GC threshold {GC_THRESHOLD:,} as in a worker)", threaded("threaded")))
+        rows.append(("  ... what-if: every message through the dispatcher", threaded("dispatcher", True)))
+    finally:
+        gc.set_threshold(*thresholds)
     gc.disable()
     try:
         rows.append(("  what-if: real TensorWorker with GC off", threaded("threaded-nogc")))
@@ -435,6 +470,10 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
 
 
 # ----------------------------------------------------------------------------------------------------- report
+class _RawOnly(Exception):
+    """--raw-only: leave the session after case (a)."""
+
+
 def fmt_rate(value: float, unit: str) -> str:
     return f"{value:>11,.0f} {unit}"
 
@@ -443,12 +482,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small counts, one repeat")
     parser.add_argument("--profile", action="store_true", help="add a per-message breakdown (in-process worker)")
+    parser.add_argument("--raw-only", action="store_true", help="only case (a), the raw CallFunction rate")
+    parser.add_argument("--profile-only", action="store_true", help="only the per-message breakdown")
     parser.add_argument("--scheduler", default=None, help="address of an existing cluster (default: embedded)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="run the tiny ops of (a) and (b) on the workers' GPUs (and locally on this GPU)")
     args = parser.parse_args(argv)
     global DEVICE
     DEVICE = args.device
+    if args.profile_only:
+        print_profile(20_000 if args.quick else 100_000)
+        return
     n_raw, n_remote, n_steps, repeats = (20_000, 2_000, 30, 1) if args.quick else (200_000, 10_000, 100, 3)
 
     from distributed import Client
@@ -464,11 +508,15 @@ def main(argv=None) -> None:
     try:
         with dm.attach(client, dims={"w": 1}) as one:
             raw = bench_raw(one, n_raw, repeats)
+            if args.raw_only:
+                raise _RawOnly
             rem = bench_remote(one, n_remote, repeats)
             disp = bench_dispatch(one, n_remote, repeats)
             prog = bench_program(one, 2048, repeats)
         with dm.attach(client, dims={"dp": 2}) as two:
             step = bench_train_step(two, n_steps, repeats)
+    except _RawOnly:
+        pass
     finally:
         client.close()
         if cluster is not None:
@@ -489,19 +537,25 @@ def main(argv=None) -> None:
         ("    target >= 50,000 msg/s end to end", f"{'MET' if m['e2e'] >= TARGET else 'NOT MET':>17}   "
          f"(rounds: {rounds} msg/s of "
          f"{n_raw:,} messages; controller send loop {m['send_loop_s']:.2f} s)", "", ""),
-        ("(b) remote(aten.add), 1 worker", fmt_rate(rem["rate"], "op/s"), fmt_rate(local, "op/s"),
-         f"{rem['rate'] / local:.4f}"),
-        ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us", "", ""),
-        ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
-         f"{step['rate'] / step['local']:.4f}"),
-        ("    controller time per step", f"{step['loop_ms']:>11.2f} ms     (nn.Module + SGD under activate(); "
-         f"global batch {step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
-        ("(d) torch op (x + x) under activate(), 1 worker", fmt_rate(disp["rate"], "op/s"),
-         fmt_rate(disp["local"], "op/s"), f"{disp['rate'] / disp['local']:.4f}"),
-        ("    controller time per op", f"{disp['call_us']:>11.0f} us", "", ""),
-        (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
-         f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
+        ("    where the time went", f"{m['first_apply_s']:>11.3f} s      to the first message's apply, "
+         f"{n_raw / m['apply']:.3f} s applying, {m['after_last_s']:.3f} s from the last apply to the status answer",
+         "", ""),
     ]
+    if not args.raw_only:
+        rows += [
+            ("(b) remote(aten.add), 1 worker", fmt_rate(rem["rate"], "op/s"), fmt_rate(local, "op/s"),
+             f"{rem['rate'] / local:.4f}"),
+            ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us", "", ""),
+            ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
+             f"{step['rate'] / step['local']:.4f}"),
+            ("    controller time per step", f"{step['loop_ms']:>11.2f} ms     (nn.Module + SGD under activate(); "
+             f"global batch {step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
+            ("(d) torch op (x + x) under activate(), 1 worker", fmt_rate(disp["rate"], "op/s"),
+             fmt_rate(disp["local"], "op/s"), f"{disp['rate'] / disp['local']:.4f}"),
+            ("    controller time per op", f"{disp['call_us']:>11.0f} us", "", ""),
+            (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
+             f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
+        ]
     mode = ("quick" if args.quick else "full") + f", tiny ops on {DEVICE}"
     print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.1f}; median of {repeats})")
@@ -513,14 +567,18 @@ def main(argv=None) -> None:
             print(f"{label:<44}{mesh_value}")
 
     if args.profile:
-        print("\nper-message cost of a TensorWorker driven in this process (us/msg; CallFunction aten.add)")
-        for label, us in profile_breakdown(20_000 if args.quick else 100_000):
-            if us is None:
-                print(f"  {label}")
-            elif us > 0:
-                print(f"  {label:<52}{us:>7.2f} us  ({1e6 / us:>9,.0f}/s)")
-            else:
-                print(f"  {label:<52}{us:>7.2f} us")
+        print_profile(20_000 if args.quick else 100_000)
+
+
+def print_profile(n: int) -> None:
+    print(f"\nper-message cost of a TensorWorker driven in this process (us/msg; CallFunction aten.add on {DEVICE})")
+    for label, us in profile_breakdown(n):
+        if us is None:
+            print(f"  {label}")
+        elif us > 0:
+            print(f"  {label:<52}{us:>7.2f} us  ({1e6 / us:>9,.0f}/s)")
+        else:
+            print(f"  {label:<52}{us:>7.2f} us")
 
 
 if __name__ == "__main__":
