@@ -451,15 +451,14 @@ def profile_breakdown(n: int) -> list[tuple[str, float | None]]:
     with_gc = per_msg(inline_all, fresh_env)
     rows.append(("  all stages inline, one thread", with_gc))
     rows.append(("  -> Python GC share (GC on - GC off)", with_gc - no_gc))
-    from dask_monarch.worker.plugin import GC_THRESHOLD
+    from dask_monarch import interpreter
 
-    thresholds = gc.get_threshold()
-    gc.set_threshold(GC_THRESHOLD, *thresholds[1:])  # what the worker plugin sets while sessions run
+    interpreter.hold(gc_threshold=True)  # the settings a worker holds while sessions run
     try:
-        rows.append((f"  real TensorWorker (GC threshold {GC_THRESHOLD:,} as in a worker)", threaded("threaded")))
+        rows.append(("  real TensorWorker (interpreter settings as in a worker)", threaded("threaded")))
         rows.append(("  ... what-if: every message through the dispatcher", threaded("dispatcher", True)))
     finally:
-        gc.set_threshold(*thresholds)
+        interpreter.release(gc_threshold=True)
     gc.disable()
     try:
         rows.append(("  what-if: real TensorWorker with GC off", threaded("threaded-nogc")))

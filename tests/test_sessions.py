@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import dask
 import pytest
 import torch
 
@@ -226,28 +227,57 @@ def test_tensors_and_meshes_used_after_exit_raise_session_closed(client1):
     mesh.exit()  # a second exit is a no-op
 
 
-def test_worker_gc_threshold_is_raised_while_sessions_run_and_restored_after(client2):
-    """The worker plugin raises gen-0 of Python's GC threshold to ``monarch.gc-threshold`` (20,000) while sessions
-    run (fewer collections of messages in flight) and puts Python's back when the last session ends."""
+def test_interpreter_settings_are_held_while_sessions_run_and_restored_after(client2):
+    """While sessions run, the worker plugin raises gen-0 of Python's GC threshold to ``monarch.gc-threshold``
+    (20,000) and lowers the GIL switch interval to ``monarch.switch-interval`` (0.5 ms), and puts Python's values
+    back when the last session ends (``interpreter.py``); the controller holds the switch interval too."""
     import gc
+    import sys
 
-    def threshold():
-        return gc.get_threshold()[0]
+    def settings():
+        return gc.get_threshold()[0], sys.getswitchinterval()
 
     def wait_for(expected):
         deadline = time.monotonic() + 30
-        while set(client2.run(threshold).values()) != {expected} and time.monotonic() < deadline:
+        while set(client2.run(settings).values()) != {expected} and time.monotonic() < deadline:
             time.sleep(0.1)
-        return set(client2.run(threshold).values())
+        return set(client2.run(settings).values())
 
-    assert wait_for(700) == {700}  # Python's default, once earlier tests' sessions have ended on the workers
+    pythons = (700, 0.005)
+    assert wait_for(pythons) == {pythons}  # Python's defaults, once earlier tests' sessions have ended there
     first = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
     second = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
     for mesh in (first, second):
         with mesh.activate():
             assert dm.inspect(torch.ones(1) + mesh.rank("dp")).tolist() == [1.0]  # the session runs on the workers
-    assert set(client2.run(threshold).values()) == {20_000}
+    ours = (20_000, 0.0005)
+    assert set(client2.run(settings).values()) == {ours}
+    assert sys.getswitchinterval() == 0.0005  # in this controller process too
     first.exit()
-    assert set(client2.run(threshold).values()) == {20_000}  # a session still runs
+    assert set(client2.run(settings).values()) == {ours}  # a session still runs
     second.exit()
-    assert wait_for(700) == {700}
+    assert wait_for(pythons) == {pythons}
+
+
+def test_interpreter_hold_and_release_count_holders():
+    import gc
+    import sys
+
+    from dask_monarch import interpreter
+
+    if interpreter._holders["switch"] or interpreter._holders["gc"]:
+        pytest.skip("a session of another test still holds the settings in this process")
+    before = (sys.getswitchinterval(), gc.get_threshold())
+    interpreter.hold(gc_threshold=True)
+    interpreter.hold()
+    assert sys.getswitchinterval() == interpreter.SWITCH_INTERVAL
+    assert gc.get_threshold()[0] == interpreter.GC_THRESHOLD
+    interpreter.release(gc_threshold=True)  # the GC threshold had one holder; the switch interval still has one
+    assert gc.get_threshold() == before[1]
+    assert sys.getswitchinterval() == interpreter.SWITCH_INTERVAL
+    interpreter.release()
+    assert (sys.getswitchinterval(), gc.get_threshold()) == before
+    with dask.config.set({"monarch.switch-interval": 0}):  # 0 leaves Python's value alone
+        interpreter.hold()
+        assert sys.getswitchinterval() == before[0]
+        interpreter.release()

@@ -30,6 +30,7 @@ import cloudpickle
 import dask
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .. import interpreter
 from ..exceptions import RemoteException, SessionError
 from ..protocol import batch
 from ..protocol import (
@@ -265,6 +266,9 @@ class Session:
         self._wake = threading.Event()
         self._close_lock = threading.Lock()
         self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
+        self._released = False  # the interpreter settings given back (``stop``)
+        self._release_lock = threading.Lock()
+        interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
         self._flusher.start()
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
 
@@ -777,6 +781,10 @@ class Session:
         is sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
         self.closed = True
         self._wake.set()
+        with self._release_lock:
+            if not self._released:
+                self._released = True
+                interpreter.release()
 
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,

@@ -11,16 +11,15 @@ The controller sends each worker its messages as pinned Dask tasks:
 
 from __future__ import annotations
 
-import gc
 import pickle
 import threading
 
 import cloudpickle
-import dask
 
 from distributed import get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from .. import interpreter
 from ..protocol import FetchResult, SessionFailed, WorkerError
 from . import prometheus
 from .metrics import worker_snapshot
@@ -34,8 +33,6 @@ END_SESSION_OP = "monarch-end-session"
 #: the key of dask_monarch's numbers in ``worker.metrics`` (sent with every heartbeat; ``worker/metrics.py``)
 METRICS_KEY = "monarch"
 _CLOSED_MEMORY = 1024
-#: default of Dask config ``monarch.gc-threshold`` (see ``MonarchWorkerPlugin``)
-GC_THRESHOLD = 20_000
 
 
 class MonarchWorkerPlugin(WorkerPlugin):
@@ -44,10 +41,9 @@ class MonarchWorkerPlugin(WorkerPlugin):
     Reports its sessions' numbers with every heartbeat (``worker.metrics["monarch"]``) and on the worker's
     Prometheus ``/metrics`` endpoint.
 
-    While sessions run, the first threshold of Python's cyclic garbage collector is raised to Dask config
-    ``monarch.gc-threshold`` (default 20,000 allocations; 0 leaves it alone) and restored when the last session
-    ends: with Python's 700, gen-0 collections promote the messages in flight between the dispatcher and stream
-    threads and cost the worker more than half its time per message (``bench/dispatch.py --profile``)."""
+    While sessions run, the worker holds dask_monarch's interpreter settings (``interpreter.py``: gen-0 of the GC
+    threshold raised to Dask config ``monarch.gc-threshold``, the GIL switch interval lowered to
+    ``monarch.switch-interval``), and gives Python's back when the last session ends."""
 
     name = PLUGIN_NAME
     idempotent = True
@@ -57,7 +53,6 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.sessions: dict[str, TensorWorker] = {}
         self.closed: dict[str, str | None] = {}  # ended session -> its failure text, or None
         self._lock = threading.Lock()
-        self._gc_threshold: tuple | None = None  # Python's thresholds while ours are in force
         worker.stream_handlers[END_SESSION_OP] = self.end_session
         worker.metrics[METRICS_KEY] = self.metrics
         prometheus.register(self)
@@ -106,25 +101,17 @@ class MonarchWorkerPlugin(WorkerPlugin):
                 session_id, rank, world_size, options = params
                 tw = TensorWorker(self.worker, session_id, rank, world_size, options, on_close=self._forget)
                 if not self.sessions:
-                    self._raise_gc_threshold()
+                    interpreter.hold(gc_threshold=True)
                 self.sessions[session_id] = tw
             return tw
 
     def _forget(self, session_id: str, failure: str | None = None) -> None:
         with self._lock:
-            self.sessions.pop(session_id, None)
+            removed = self.sessions.pop(session_id, None) is not None
             self.closed[session_id] = failure
             self._trim_closed()
-            if not self.sessions and self._gc_threshold is not None:
-                gc.set_threshold(*self._gc_threshold)
-                self._gc_threshold = None
-
-    def _raise_gc_threshold(self) -> None:
-        threshold = int(dask.config.get("monarch.gc-threshold", GC_THRESHOLD) or 0)
-        current = gc.get_threshold()
-        if threshold > current[0]:
-            self._gc_threshold = current
-            gc.set_threshold(threshold, *current[1:])
+            if removed and not self.sessions:
+                interpreter.release(gc_threshold=True)
 
     def _trim_closed(self) -> None:
         while len(self.closed) > _CLOSED_MEMORY:

@@ -1,0 +1,82 @@
+"""Interpreter settings that dask_monarch holds in a process while its sessions run there, and gives back after the
+last one (DESIGN.md "Performance design": the per-message cost is the budget).
+
+* The GIL switch interval, Dask config ``monarch.switch-interval`` (seconds, default 0.0005; Python's own is
+  0.005), in the controller and in the workers. A thread that waits for the GIL gets it after at most this long.
+  Dask's event-loop thread carries every batch and takes the GIL again at each step of sending or receiving one;
+  beside a busy thread (the controller's program, a worker's stream thread) each step waited up to Python's
+  5 ms, and the first batch of a controller sending 200,000 messages reached its worker after up to 1.2 s
+  instead of 0.03 s (``bench/dispatch.py --device cuda`` on 2 x H200).
+* Gen-0 of the cyclic garbage collector's thresholds, Dask config ``monarch.gc-threshold`` (allocations, default
+  20,000; Python's own is 700), in the workers only: at 700, collections promote the messages in flight between
+  the dispatcher and stream threads and cost a worker more than half its time per message
+  (``bench/dispatch.py --profile``).
+
+A value of 0 (or None) leaves Python's setting alone. ``hold``/``release`` count holders, so sessions may open
+and close in any order, and a controller and a worker in one process share the settings.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import dask
+
+__all__ = ["hold", "release", "SWITCH_INTERVAL", "GC_THRESHOLD"]
+
+#: default of Dask config ``monarch.switch-interval`` (seconds)
+SWITCH_INTERVAL = 0.0005
+#: default of Dask config ``monarch.gc-threshold`` (allocations)
+GC_THRESHOLD = 20_000
+
+_lock = threading.Lock()
+_holders = {"switch": 0, "gc": 0}
+_saved: dict = {}  # setting -> Python's value while ours is in force
+
+
+def _apply(setting: str) -> None:
+    if setting == "switch":
+        interval = float(dask.config.get("monarch.switch-interval", SWITCH_INTERVAL) or 0)
+        current = sys.getswitchinterval()
+        if 0 < interval < current:
+            _saved["switch"] = current
+            sys.setswitchinterval(interval)
+    else:
+        threshold = int(dask.config.get("monarch.gc-threshold", GC_THRESHOLD) or 0)
+        current = gc.get_threshold()
+        if threshold > current[0]:
+            _saved["gc"] = current
+            gc.set_threshold(threshold, *current[1:])
+
+
+def _restore(setting: str) -> None:
+    if setting not in _saved:
+        return
+    value = _saved.pop(setting)
+    if setting == "switch":
+        sys.setswitchinterval(value)
+    else:
+        gc.set_threshold(*value)
+
+
+def hold(gc_threshold: bool = False) -> None:
+    """A session starts in this process: the switch interval (and, with ``gc_threshold``, the GC threshold) is
+    set from Dask config if nobody holds it yet."""
+    with _lock:
+        for setting in ("switch", "gc") if gc_threshold else ("switch",):
+            if _holders[setting] == 0:
+                _apply(setting)
+            _holders[setting] += 1
+
+
+def release(gc_threshold: bool = False) -> None:
+    """A session ended: the last holder of a setting gives Python its value back."""
+    with _lock:
+        for setting in ("switch", "gc") if gc_threshold else ("switch",):
+            if _holders[setting] == 0:
+                continue
+            _holders[setting] -= 1
+            if _holders[setting] == 0:
+                _restore(setting)
