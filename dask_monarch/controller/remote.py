@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import cloudpickle
 import torch
@@ -61,6 +62,9 @@ def _importable_path(fn) -> str | None:
     return None
 
 
+_BY_VALUE_LOCK = threading.Lock()
+
+
 def function_of(fn):
     """The ``ResolvableFunction`` for ``fn``: an ``OpOverload`` or dotted string -> ``FunctionPath``; an importable
     function -> its path; anything else (lambdas, closures, ``__main__``, functions of pytest modules, which the
@@ -81,11 +85,12 @@ def function_of(fn):
     module_name = getattr(fn, "__module__", None) or ""
     module = sys.modules.get(module_name)
     if module is not None and _is_test_module(module_name):
-        cloudpickle.register_pickle_by_value(module)
-        try:
-            return Cloudpickle(cloudpickle.dumps(fn))
-        finally:
-            cloudpickle.unregister_pickle_by_value(module)
+        with _BY_VALUE_LOCK:  # cloudpickle's registry is process-wide: controllers in other threads share it
+            cloudpickle.register_pickle_by_value(module)
+            try:
+                return Cloudpickle(cloudpickle.dumps(fn))
+            finally:
+                cloudpickle.unregister_pickle_by_value(module)
     return Cloudpickle(cloudpickle.dumps(fn))
 
 
