@@ -173,6 +173,8 @@ def _actor_call(where, v):
 
 
 _FUNCTION = _instance(FunctionPath, Cloudpickle)
+_FUNCTIONS = (FunctionPath, Cloudpickle)
+_U64 = 1 << 64
 _REFS = _list_of(_ref)
 _OPT_REFS = _list_of(_opt_ref)
 _LISTS = (list, tuple)
@@ -241,7 +243,7 @@ def _valid(msg) -> bool:
 def _call_function_ok(m) -> bool:
     """The hot path's check of a ``CallFunction`` (the generic one explains failures)."""
     seq = getattr(m, "seq", None)
-    if type(seq) is not int or seq < 0 or type(getattr(m, "stream", None)) is not StreamRef:
+    if type(seq) is not int or not 0 <= seq < _U64 or type(getattr(m, "stream", None)) is not StreamRef:
         return False
     if type(getattr(m, "args_kwargs", None)) is not ArgsKwargs:
         return False
@@ -349,6 +351,24 @@ class CallFunction(_Validated):
     args_kwargs: ArgsKwargs
     stream: StreamRef
     remote_process_groups: list[Ref]
+
+    def __post_init__(self):
+        # the hot path (every call a worker unpickles): every field checked inline; ``validate`` names a bad one
+        seq = self.seq
+        if (type(seq) is int and 0 <= seq < _U64 and type(self.stream) is StreamRef
+                and type(self.args_kwargs) is ArgsKwargs and type(self.function) in _FUNCTIONS):
+            results, mutates, groups = self.results, self.mutates, self.remote_process_groups
+            if type(results) in _LISTS and type(mutates) in _LISTS and type(groups) in _LISTS:
+                for r in results:
+                    if r is not None and type(r) is not Ref:
+                        break
+                else:
+                    for r in (*mutates, *groups):
+                        if type(r) is not Ref:
+                            break
+                    else:
+                        return
+        validate(self)
 
 
 @_message

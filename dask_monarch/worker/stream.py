@@ -344,8 +344,16 @@ class StreamWorker:
                     f"invalid remote function: failed to resolve function {function!r}: {type(e).__name__}: {e}"
                 ) from None
             args, kwargs = self._resolve_args(msg.args_kwargs, True)
-            leaves = _leaves(fn(*args, **kwargs))
+            out = fn(*args, **kwargs)
             results = msg.results
+            if type(out) is torch.Tensor and len(results) == 1:  # the common case, without flattening
+                ref = results[0]
+                if ref is not None:
+                    if ref.id in self.env:
+                        raise FatalError(f"CallFunction seq {msg.seq}: Duplicate write to reference {ref}")
+                    self.env[ref.id] = out
+                return
+            leaves = _leaves(out)
             if len(leaves) != len(results):
                 raise _ValueError(
                     f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
