@@ -160,6 +160,18 @@ def test_call_function_with_a_bad_field_fails_the_session_naming_the_field(mesh1
     assert_cluster_serves(client1)
 
 
+@pytest.mark.parametrize("bad_stream", [0, None], ids=["int", "None"])
+def test_call_function_with_a_bad_stream_fails_the_session_naming_the_field(mesh1, client1, worker_pids, bad_stream):
+    # the controller picks a stream's segment by the message's stream (protocol/batch.py): a bad one must reach the
+    # worker's check like any other bad field, not break the controller's flush and lose the buffered messages
+    msg = call_on(ST0, mesh1._session.new_seq())
+    msg.stream = bad_stream  # mutated after construction
+    error = fails_fatally(mesh1, msg)
+    text = f"malformed message: CallFunction.stream: expected a StreamRef, got {bad_stream!r} ({type(bad_stream).__name__})"
+    assert text in str(error)
+    assert_cluster_serves(client1)
+
+
 def test_message_built_without_its_constructor_fails_the_session(mesh1, client1, worker_pids):
     error = fails_fatally(mesh1, object.__new__(GetRefUnitTestsOnly))
     assert "GetRefUnitTestsOnly.value: missing" in str(error)

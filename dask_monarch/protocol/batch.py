@@ -15,6 +15,7 @@ messages is the controller's.
 from __future__ import annotations
 
 from .messages import CallFunction, Reduce, SendValue
+from .refs import StreamRef
 
 __all__ = ["STREAM_MESSAGES", "lane", "segments"]
 
@@ -23,8 +24,14 @@ STREAM_MESSAGES = (CallFunction, SendValue, Reduce)
 
 
 def lane(msg) -> int | None:
-    """The stream id whose segment ``msg`` may travel in, or None for a dispatcher segment."""
-    return msg.stream.id if type(msg) in STREAM_MESSAGES else None
+    """The stream id whose segment ``msg`` may travel in, or None for a dispatcher segment. A stream message whose
+    ``stream`` is not a ``StreamRef`` (changed after construction) travels to the dispatcher, whose unpickling
+    check names the field: picking its lane must not fail on the controller."""
+    if type(msg) in STREAM_MESSAGES:
+        stream = getattr(msg, "stream", None)
+        if type(stream) is StreamRef:
+            return stream.id
+    return None
 
 
 def segments(items: list, dumps) -> list:
