@@ -44,6 +44,16 @@ def test_sum_over_gpu(mesh2x2, x):
             assert torch.equal(fetch(s, host=h, gpu=g), local_x(h, 0) + local_x(h, 1))
 
 
+def test_result_of_a_reduce_under_activate_is_usable_in_later_ops(mesh2x2, x):
+    # the result's fake tensor is made on the controller: under mesh.activate() it must not become a remote op
+    with mesh2x2.activate():
+        s = x.reduce("gpu", "sum")
+        assert type(s._fake).__name__ == "FakeTensor"
+        doubled = s * 2
+    for h in range(2):
+        assert torch.equal(fetch(doubled, host=h, gpu=1), 2 * (local_x(h, 0) + local_x(h, 1)))
+
+
 def test_avg_over_host(mesh2x2, x):
     a = x.reduce("host", "avg")
     for g in range(2):

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..protocol import Factory, Reduce, Reduction
+from .dispatch import propagating
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
@@ -104,7 +105,9 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         elif out is not None:
             fake = out._fake
         else:
-            with session.fake_mode:
+            # propagating(): under mesh.activate() the mesh's dispatch mode would run the factory on the mesh
+            # (the fake mode is an infra mode, ordered below it; dispatch.py)
+            with propagating(), session.fake_mode:
                 fake = torch.empty(out_shape, dtype=t.dtype, device=t.device)
         result = Tensor(session.new_ref(), fake, tmesh, stream)
         seq = session.new_seq()
