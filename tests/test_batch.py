@@ -3,7 +3,9 @@ a segment it cannot run. The worker cases feed a ``TensorWorker`` wire input tha
 
 from __future__ import annotations
 
+import gc
 import pickle
+import threading
 
 import torch
 
@@ -21,6 +23,7 @@ from dask_monarch.protocol import (
     StreamRef,
 )
 from dask_monarch.protocol import batch
+from dask_monarch.worker.inbox import load_segment
 from dask_monarch.worker.tensor_worker import TensorWorker
 
 S0, S1 = StreamRef(0), StreamRef(1)
@@ -104,3 +107,49 @@ def test_malformed_message_in_a_stream_segment_fails_the_session_naming_the_fiel
     tw.inbox.put(1, [(0, 1, pickle.dumps([bad]))])
     text = _failure(tw)
     assert "malformed message: CallFunction.results[0]: expected a Ref or None, got 5 (int)" in text
+
+
+_gates: dict = {}
+
+
+def _gated(name: str) -> str:
+    """Called while ``load_segment`` unpickles a ``_Gate``: notes whether the GC is enabled, then waits."""
+    entered, release, seen = _gates[name]
+    seen.append(gc.isenabled())
+    entered.set()
+    assert release.wait(30)
+    seen.append(gc.isenabled())
+    return name
+
+
+class _Gate:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return (_gated, (self.name,))
+
+
+def test_overlapping_segment_loads_keep_the_gc_paused_until_the_last_ends():
+    # the dispatcher and every stream thread open segments (load_segment) at the same time: the GC stays paused
+    # while any of them unpickles, and is on again after the last one (never left off)
+    assert gc.isenabled()
+    threads = {}
+    try:
+        for name in ("first", "second"):
+            _gates[name] = (threading.Event(), threading.Event(), [])
+            threads[name] = threading.Thread(target=load_segment, args=(pickle.dumps([_Gate(name)]),))
+            threads[name].start()
+            assert _gates[name][0].wait(30)
+        _gates["first"][1].set()
+        threads["first"].join(30)
+        assert not gc.isenabled()  # the second load still runs
+        _gates["second"][1].set()
+        threads["second"].join(30)
+        assert gc.isenabled()
+        assert _gates["first"][2] == _gates["second"][2] == [False, False]
+    finally:
+        for name, thread in threads.items():
+            _gates[name][1].set()
+            thread.join(30)
+        gc.enable()

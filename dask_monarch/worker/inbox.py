@@ -17,14 +17,28 @@ from .errors import FatalError
 __all__ = ["Inbox", "load_segment"]
 
 
+_gc_lock = threading.Lock()
+_gc_pausers = 0  # load_segment calls running now (the dispatcher's and every stream thread's)
+_gc_resume = False  # whether the first of them found the GC enabled
+
+
 def load_segment(segment: bytes) -> list:
     """The messages of a pickled segment (``protocol/batch.py``), unpickled with the cyclic garbage collector
     paused: a segment allocates thousands of small objects, and the collections they would trigger cost several
     times the unpickling itself. Messages pickle as calls of their validating constructors
     (``protocol/messages.py``): a malformed one raises ``FatalError`` ("malformed message: ...") here, as does a
-    segment that cannot be unpickled."""
-    enabled = gc.isenabled()
-    gc.disable()
+    segment that cannot be unpickled.
+
+    The dispatcher and every stream thread call this at once, and the GC switch is process-wide: the pause is
+    counted (the first caller pauses, the last resumes), so that the GC stays paused while any load runs and is
+    never left off (a check-then-disable per caller could read "disabled" from a concurrent load and then disable
+    it after that load had resumed it, for good)."""
+    global _gc_pausers, _gc_resume
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
     try:
         return pickle.loads(segment)
     except ProtocolError as e:
@@ -32,8 +46,10 @@ def load_segment(segment: bytes) -> list:
     except Exception as e:
         raise FatalError(f"could not unpickle a message batch: {type(e).__name__}: {e}") from None
     finally:
-        if enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_resume:
+                gc.enable()
 
 
 class Inbox:
