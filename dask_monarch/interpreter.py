@@ -36,19 +36,31 @@ _holders = {"switch": 0, "gc": 0}
 _saved: dict = {}  # setting -> Python's value while ours is in force
 
 
-def _apply(setting: str) -> None:
+def _configured(setting: str):
+    """The configured value of ``setting`` (0 leaves Python's alone); ``ValueError`` naming the Dask config key
+    if it is not a number."""
+    key, default, kind = (
+        ("monarch.switch-interval", SWITCH_INTERVAL, float) if setting == "switch"
+        else ("monarch.gc-threshold", GC_THRESHOLD, int)
+    )
+    value = dask.config.get(key, default)
+    try:
+        return kind(value or 0)
+    except (TypeError, ValueError):
+        raise ValueError(f"Dask config {key} must be a number ({kind.__name__}), got {value!r}") from None
+
+
+def _apply(setting: str, value) -> None:
     if setting == "switch":
-        interval = float(dask.config.get("monarch.switch-interval", SWITCH_INTERVAL) or 0)
         current = sys.getswitchinterval()
-        if 0 < interval < current:
+        if 0 < value < current:
             _saved["switch"] = current
-            sys.setswitchinterval(interval)
+            sys.setswitchinterval(value)
     else:
-        threshold = int(dask.config.get("monarch.gc-threshold", GC_THRESHOLD) or 0)
         current = gc.get_threshold()
-        if threshold > current[0]:
+        if value > current[0]:
             _saved["gc"] = current
-            gc.set_threshold(threshold, *current[1:])
+            gc.set_threshold(value, *current[1:])
 
 
 def _restore(setting: str) -> None:
@@ -63,11 +75,14 @@ def _restore(setting: str) -> None:
 
 def hold(gc_threshold: bool = False) -> None:
     """A session starts in this process: the switch interval (and, with ``gc_threshold``, the GC threshold) is
-    set from Dask config if nobody holds it yet."""
+    set from Dask config if nobody holds it yet. All or nothing: a configured value that is not a number raises
+    ``ValueError`` naming it, and then nothing is held or changed."""
+    settings = ("switch", "gc") if gc_threshold else ("switch",)
     with _lock:
-        for setting in ("switch", "gc") if gc_threshold else ("switch",):
-            if _holders[setting] == 0:
-                _apply(setting)
+        values = {setting: _configured(setting) for setting in settings if _holders[setting] == 0}
+        for setting in settings:
+            if setting in values:
+                _apply(setting, values[setting])
             _holders[setting] += 1
 
 

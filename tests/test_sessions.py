@@ -259,6 +259,38 @@ def test_interpreter_settings_are_held_while_sessions_run_and_restored_after(cli
     assert wait_for(pythons) == {pythons}
 
 
+def test_bad_interpreter_config_on_a_worker_fails_the_session_naming_it_and_changes_nothing(client1):
+    """A worker whose Dask config ``monarch.gc-threshold`` is not a number: the session fails with an error naming
+    the setting, and the worker keeps Python's interpreter settings and no thread of the session."""
+    import sys
+
+    def set_config(value, dask_worker):
+        dask.config.set({"monarch.gc-threshold": value})
+
+    def state(session_id, dask_worker):
+        import gc
+
+        names = [t.name for t in threading.enumerate() if t.name.startswith(f"monarch-{session_id[:8]}-")]
+        return gc.get_threshold()[0], sys.getswitchinterval(), tuple(names)
+
+    deadline = time.monotonic() + 30
+    while set(client1.run(state, "-").values()) != {(700, 0.005, ())} and time.monotonic() < deadline:
+        time.sleep(0.1)  # earlier tests' sessions end on the worker
+    client1.run(set_config, "20k")
+    try:
+        mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+        with pytest.raises(dm.SessionError, match=r"monarch\.gc-threshold.*'20k'"):
+            with mesh.activate():
+                dm.inspect(torch.ones(1))
+        mesh.exit()  # the failure was raised already
+        assert set(client1.run(state, mesh._session.id).values()) == {(700, 0.005, ())}
+    finally:
+        client1.run(set_config, None)
+    with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:  # the worker still serves
+        with mesh.activate():
+            assert dm.inspect(torch.ones(1) + 1).tolist() == [2.0]
+
+
 def test_interpreter_hold_and_release_count_holders():
     import gc
     import sys

@@ -99,9 +99,15 @@ class MonarchWorkerPlugin(WorkerPlugin):
             tw = self.sessions.get(session_id)
             if tw is None and session_id not in self.closed:
                 session_id, rank, world_size, options = params
-                tw = TensorWorker(self.worker, session_id, rank, world_size, options, on_close=self._forget)
-                if not self.sessions:
+                first = not self.sessions
+                if first:  # before the session's threads start: a bad config value fails here, leaving nothing
                     interpreter.hold(gc_threshold=True)
+                try:
+                    tw = TensorWorker(self.worker, session_id, rank, world_size, options, on_close=self._forget)
+                except BaseException:
+                    if first:
+                        interpreter.release(gc_threshold=True)
+                    raise
                 self.sessions[session_id] = tw
             return tw
 
