@@ -241,34 +241,25 @@ def _valid(msg) -> bool:
 
 
 def _call_function_ok(m) -> bool:
-    """The hot path's check of a ``CallFunction`` (the generic one explains failures)."""
-    seq = getattr(m, "seq", None)
-    if type(seq) is not int or not 0 <= seq < _U64 or type(getattr(m, "stream", None)) is not StreamRef:
-        return False
-    if type(getattr(m, "args_kwargs", None)) is not ArgsKwargs:
-        return False
-    kind = type(getattr(m, "function", None))
-    if kind is not FunctionPath and kind is not Cloudpickle:
-        return False
-    results = getattr(m, "results", None)
-    if type(results) not in _LISTS:
-        return False
-    for r in results:
-        if r is not None and type(r) is not Ref:
-            return False
-    for refs in (getattr(m, "mutates", None), getattr(m, "remote_process_groups", None)):
-        if type(refs) not in _LISTS:
-            return False
-        for r in refs:
-            if type(r) is not Ref:
-                return False
-    return True
+    """The hot path's check of a ``CallFunction`` (every call a worker unpickles): all its fields at once, inline;
+    ``validate`` names a bad one."""
+    seq = m.seq
+    if (type(seq) is int and 0 <= seq < _U64 and type(m.stream) is StreamRef and type(m.args_kwargs) is ArgsKwargs
+            and type(m.function) in _FUNCTIONS):
+        results, mutates, groups = m.results, m.mutates, m.remote_process_groups
+        if type(results) in _LISTS and type(mutates) in _LISTS and type(groups) in _LISTS:
+            for r in results:
+                if r is not None and type(r) is not Ref:
+                    return False
+            for r in (*mutates, *groups):
+                if type(r) is not Ref:
+                    return False
+            return True
+    return False
 
 
 def validate(msg, where: str | None = None) -> None:
     """Check every field of ``msg`` (a message dataclass); raise ``ProtocolError`` naming the first bad one."""
-    if type(msg) is CallFunction and _call_function_ok(msg):
-        return
     checks = _FIELD_CHECKS.get(type(msg))
     if checks is None:
         raise ProtocolError(f"{where or 'message'}: expected a WorkerMessage, got {_describe(msg)}")
@@ -353,22 +344,8 @@ class CallFunction(_Validated):
     remote_process_groups: list[Ref]
 
     def __post_init__(self):
-        # the hot path (every call a worker unpickles): every field checked inline; ``validate`` names a bad one
-        seq = self.seq
-        if (type(seq) is int and 0 <= seq < _U64 and type(self.stream) is StreamRef
-                and type(self.args_kwargs) is ArgsKwargs and type(self.function) in _FUNCTIONS):
-            results, mutates, groups = self.results, self.mutates, self.remote_process_groups
-            if type(results) in _LISTS and type(mutates) in _LISTS and type(groups) in _LISTS:
-                for r in results:
-                    if r is not None and type(r) is not Ref:
-                        break
-                else:
-                    for r in (*mutates, *groups):
-                        if type(r) is not Ref:
-                            break
-                    else:
-                        return
-        validate(self)
+        if not _call_function_ok(self):
+            validate(self)
 
 
 @_message
