@@ -631,10 +631,13 @@ WorkerMessage = Any  # one of WORKER_MESSAGES
 # ------------------------------------------------------------------------------------------ controller messages
 @dataclass(slots=True)
 class RemoteFunctionFailed:
-    """A root failure of invocation ``seq`` on one rank (sent once per seq and rank; spec §3)."""
+    """A root failure of invocation ``seq`` on one rank (sent once per seq and rank; spec §3). For a failed
+    ``CallRecording``, ``controller_frame_index`` is the position of the failing operation in the recording (the
+    seq it was recorded with; Monarch's ``RemoteException.controller_frame_index``), else None."""
 
     seq: int
     error: WorkerError
+    controller_frame_index: Optional[int] = None
 
 
 @dataclass(slots=True)

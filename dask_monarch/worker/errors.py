@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..protocol import WorkerError
 
-__all__ = ["SeqError", "DependentError", "FatalError", "NotImplementedYet"]
+__all__ = ["SeqError", "DependentError", "FatalError", "NotImplementedYet", "ValueFailure"]
 
 
 class SeqError:
@@ -35,6 +35,11 @@ class DependentError(Exception):
     def __init__(self, root: SeqError):
         super().__init__(f"Computation depended on an input that failed with error: {root.error.backtrace}")
         self.root = root
+
+
+class ValueFailure(Exception):
+    """A value error (class V) whose text is the whole report: no Python traceback would help (``ref not found``,
+    ``invalid remote function``, ``unexpected number of returns``)."""
 
 
 class FatalError(Exception):

@@ -40,7 +40,7 @@ from ..protocol.function import TEST_PANIC
 from . import comm
 from .borrow import BorrowStep, SessionOver
 from .device import pin
-from .errors import DependentError, FatalError, SeqError
+from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .inbox import load_segment
 
 __all__ = ["StreamWorker", "StreamSegment", "StatusBarrier"]
@@ -52,10 +52,6 @@ _PLAIN = frozenset((int, float, bool, str, bytes, type(None), torch.Tensor, torc
 
 def _is_none(x) -> bool:
     return x is None
-
-
-class _ValueError(Exception):
-    """A value error whose text is the whole report (no Python traceback is useful)."""
 
 
 def _leaves(out) -> list:
@@ -158,6 +154,7 @@ class StreamWorker:
         self._segment_extra = 0  # messages in the pending segments beyond one each
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
+        self.replaying = None  # the ReplayCall this stream's thread is replaying (worker/replay.py), if any
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
         )
@@ -232,7 +229,11 @@ class StreamWorker:
                     if type(msg) is StreamSegment:
                         self.run_segment(msg, handlers)
                         continue
-                    handlers[type(msg)](msg)
+                    handler = handlers.get(type(msg))
+                    if handler is None:  # a queue item that runs itself here (a ReplayCall: worker/recording.py)
+                        msg.run(self)
+                    else:
+                        handler(msg)
                     self.applied += 1
             except SessionOver:
                 return
@@ -255,7 +256,10 @@ class StreamWorker:
             self.applied += 1
 
     def _root_error(self, seq: int, text: str | None = None) -> SeqError:
-        """Record a root failure of ``seq`` and report ``RemoteFunctionFailed`` once (spec §3)."""
+        """Record a root failure of ``seq`` and report ``RemoteFunctionFailed`` once (spec §3). During a replay,
+        ``seq`` is the operation's position in the recording, and the report is the call's (spec §7)."""
+        if self.replaying is not None:
+            return self.replaying.root_error(self, seq, text or traceback.format_exc())
         err = SeqError(seq, WorkerError(text or traceback.format_exc(), self.tw.actor_id))
         self.tw.report(RemoteFunctionFailed(seq, err.error))
         self.tw.note_error(seq, err.error.backtrace)
@@ -268,7 +272,7 @@ class StreamWorker:
                 return mesh
         value = self.env.get(ref_id, _MISSING)
         if value is _MISSING:
-            raise _ValueError(f"ref not found: r{ref_id}")
+            raise ValueFailure(f"ref not found: r{ref_id}")
         if type(value) is SeqError:
             raise DependentError(value)
         return value
@@ -311,7 +315,7 @@ class StreamWorker:
                         continue
                 value = env.get(a.id, _MISSING)
                 if value is _MISSING:
-                    raise _ValueError(f"ref not found: r{a.id}")
+                    raise ValueFailure(f"ref not found: r{a.id}")
                 if type(value) is SeqError:
                     raise DependentError(value)
                 args.append(value)
@@ -340,7 +344,7 @@ class StreamWorker:
             try:
                 fn = resolve_function(function)
             except Exception as e:
-                raise _ValueError(
+                raise ValueFailure(
                     f"invalid remote function: failed to resolve function {function!r}: {type(e).__name__}: {e}"
                 ) from None
             args, kwargs = self._resolve_args(msg.args_kwargs, True)
@@ -355,7 +359,7 @@ class StreamWorker:
                 return
             leaves = _leaves(out)
             if len(leaves) != len(results):
-                raise _ValueError(
+                raise ValueFailure(
                     f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
                     f" (function {function!r})"
                 )
@@ -370,7 +374,7 @@ class StreamWorker:
             self._store_error(msg.mutates, e.root)
         except FatalError:
             raise
-        except _ValueError as e:
+        except ValueFailure as e:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.results, err)
             self._store_error(msg.mutates, err)
@@ -389,14 +393,14 @@ class StreamWorker:
                 try:
                     fn = resolve_function(msg.function)
                 except Exception as e:
-                    raise _ValueError(
+                    raise ValueFailure(
                         f"invalid remote function: failed to resolve function {msg.function!r}: "
                         f"{type(e).__name__}: {e}"
                     ) from None
                 value = fn(*args, **kwargs)
             else:
                 if len(args) != 1 or kwargs:
-                    raise _ValueError(
+                    raise ValueFailure(
                         f"SendValue without a function takes exactly one argument, got {len(args)} and "
                         f"{len(kwargs)} keyword arguments"
                     )
@@ -413,7 +417,7 @@ class StreamWorker:
         except DependentError as e:
             self._store_error(msg.mutates, e.root)
             self.tw.report(FetchResult(msg.seq, error=e.root.error))
-        except _ValueError as e:
+        except ValueFailure as e:
             err = self._root_error(msg.seq, str(e))
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))

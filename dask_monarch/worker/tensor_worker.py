@@ -56,6 +56,7 @@ from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox, load_segment
+from .recording import Definitions
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
 __all__ = ["TensorWorker", "SessionParams"]
@@ -96,6 +97,7 @@ class TensorWorker:
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
         self.borrows: dict[int, Borrow] = {}
+        self.recordings = Definitions(self)
         self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
         self.inbox = Inbox()
         self.outbox: collections.deque = collections.deque()
@@ -134,10 +136,10 @@ class TensorWorker:
             CallActorMethod: self.not_implemented,
             PipeRecv: self.not_implemented,
             Exit: self.exit,
-            DefineRecording: self.not_implemented,
-            RecordingFormal: self.not_implemented,
-            RecordingResult: self.not_implemented,
-            CallRecording: self.not_implemented,
+            DefineRecording: self.define_recording,
+            RecordingFormal: self.recording_formal,
+            RecordingResult: self.recording_result,
+            CallRecording: self.call_recording,
             SetRefUnitTestsOnly: self.set_ref_unit_tests_only,
             GetRefUnitTestsOnly: self.get_ref_unit_tests_only,
         }
@@ -378,6 +380,7 @@ class TensorWorker:
     def delete_refs(self, msg: DeleteRefs) -> None:
         for ref in msg.refs:
             self.device_meshes.pop(ref.id, None)
+            self.recordings.delete(ref.id)
         for stream in self.streams.values():
             stream.enqueue(msg)
 
@@ -401,6 +404,23 @@ class TensorWorker:
             self.fail(f"the controller ended the session: {msg.error[1]}")
         self.flush_streams()
         self.close(join_timeout=10.0 if msg.error is None else 1.0)
+
+    def define_recording(self, msg: DefineRecording) -> None:
+        """A chunk of recording ``msg.result``; with the last one, its commands become one prepared program per
+        stream (spec §7; ``worker/recording.py``)."""
+        self.recordings.define(msg)
+
+    def recording_formal(self, msg: RecordingFormal) -> None:
+        """Only among a ``DefineRecording``'s commands (spec §7)."""
+        raise FatalError(f"RecordingFormal {msg.result}: recording_formal called outside of recording")
+
+    def recording_result(self, msg: RecordingResult) -> None:
+        """Only among a ``DefineRecording``'s commands (spec §7)."""
+        raise FatalError(f"RecordingResult {msg.result}: recording_result called outside of recording")
+
+    def call_recording(self, msg: CallRecording) -> None:
+        """Replay recording ``msg.recording`` on each of its streams, in their order (spec §7)."""
+        self.recordings.call(msg)
 
     def set_ref_unit_tests_only(self, msg: SetRefUnitTestsOnly) -> None:
         stream = self._stream(msg.stream, "SetRefUnitTestsOnly")
