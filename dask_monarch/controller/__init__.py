@@ -2,6 +2,7 @@
 
 from .attach import attach
 from .coalescing import coalescing
+from .compile import compile
 from .fetch import fetch_shard, inspect
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .reduce import reduce, reduce_
@@ -19,6 +20,7 @@ __all__ = [
     "Tensor",
     "attach",
     "coalescing",
+    "compile",
     "fetch_shard",
     "get_active_mesh",
     "get_active_stream",

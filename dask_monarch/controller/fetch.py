@@ -94,7 +94,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         session.check_ok()
         check_access(stream, tensors, [])
         seq = session.new_seq()
-        session.record(seq, defs=[], uses=refs, what="fetch_shard")
+        session.record(seq, defs=[], uses=tensors, what="fetch_shard")
         session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), stream.ref_for(session)), [rank])
 
         def value():

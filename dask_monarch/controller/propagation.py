@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Propagator"]
+__all__ = ["Propagator", "fake_view", "fresh_storage"]
 
 _PLAIN = frozenset((int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
@@ -24,15 +24,27 @@ def _meta(fake) -> tuple:
     return tuple(fake.shape), fake.stride(), fake.storage_offset()
 
 
+def fresh_storage(nbytes: int):
+    """A new storage of ``nbytes`` bytes on the meta device, for fake tensors to view."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+
+
+def fake_view(fake_mode, storage, offset: int, size, stride, dtype, device):
+    """A fake tensor of ``fake_mode`` viewing ``storage`` (a meta storage, e.g. another fake's) with the given
+    metadata; built from plain meta tensors outside the fake mode, which is cheap (a few microseconds)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    meta = torch.empty(0, dtype=dtype, device="meta")
+    meta.set_(storage, offset, size, stride)
+    return FakeTensor(fake_mode, meta, device)
+
+
 class Propagator:
     """Runs or replays propagation for one session (``fake_mode`` is the session's ``FakeTensorMode``)."""
 
     def __init__(self, fake_mode):
         self.fake_mode = fake_mode
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        # FakeTensor(mode, meta tensor, device) wraps without the converter's memo (which costs 60 us a call)
-        self._wrap = FakeTensor
+        # fake_view: FakeTensor(mode, meta tensor, device) wraps without the converter's memo (60 us a call)
         self._recipes: dict = {}
         self.hits = 0
         self.misses = 0
@@ -127,13 +139,11 @@ class Propagator:
                 leaves.append(input_fakes[step[1]])
             elif kind == "value":
                 leaves.append(step[1])
-            else:  # plain meta tensors, outside the fake mode: cheap
+            else:
                 _, size, stride, offset, dtype, device, (where, which) = step
                 if where == "fresh":
-                    storage = torch.empty(which, dtype=torch.uint8, device="meta").untyped_storage()
+                    storage = fresh_storage(which)
                 else:
                     storage = (input_fakes[which] if where == "input" else leaves[which]).untyped_storage()
-                meta = torch.empty(0, dtype=dtype, device="meta")
-                meta.set_(storage, offset, size, stride)
-                leaves.append(self._wrap(self.fake_mode, meta, device))
+                leaves.append(fake_view(self.fake_mode, storage, offset, size, stride, dtype, device))
         return tree_unflatten(leaves, spec), list(mutated)

@@ -111,8 +111,8 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
                 fake = torch.empty(out_shape, dtype=t.dtype, device=t.device)
         result = Tensor(session.new_ref(), fake, tmesh, stream)
         seq = session.new_seq()
-        defs = [result.ref.id] + ([t.ref.id] if in_place else []) + ([out.ref.id] if out is not None else [])
-        uses = [t.ref.id] + ([out.ref.id] if out is not None else [])
+        defs = [result] + ([t] if in_place else []) + ([out] if out is not None else [])
+        uses = [t] + ([out] if out is not None else [])
         session.record(seq, defs=defs, uses=uses, what=f"reduce({red.value} over {dims})")
         session.send(
             Reduce(

@@ -219,12 +219,7 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
             stream_ref, (),
         )
-        session.record(
-            seq,
-            defs=[t.ref.id for t in new] + [t.ref.id for t in mutates],
-            uses=[t.ref.id for t in inputs],
-            what=name,
-        )
+        session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
     return tree_unflatten(values, out_spec)
 

@@ -260,6 +260,9 @@ class Session:
         self._lent: dict[int, weakref.WeakSet] = {}  # fake storage of a borrowed tensor -> its live borrows
         self._borrowed = weakref.WeakValueDictionary()  # fake storage of a borrow's tensor -> that borrow
         self._deferred: deque = deque()  # work the garbage collector left for the next send (Borrow.__del__)
+        #: the ``Recorder`` of a compiled function recording now (``controller/recording.py``): everything sent on
+        #: this session meanwhile, from any thread (autograd's included), is captured instead of sent
+        self.recorder = None
         self._network = False
         self._splits: set = set()
         self._key = self.id[:8]
@@ -274,7 +277,10 @@ class Session:
 
     # ------------------------------------------------------------------------------------------------ ids
     def new_seq(self) -> int:
+        """The next seq; while a compiled function records, the next operation's index in the recording."""
         with self.lock:
+            if self.recorder is not None:
+                return self.recorder.next_index()
             seq = self._next_seq
             self._next_seq += 1
             return seq
@@ -288,6 +294,8 @@ class Session:
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:
         """Remember ``tensor`` among the live aliases of its (fake) storage."""
+        if self.recorder is not None:
+            self.recorder.created(tensor)
         key = tensor._fake.untyped_storage()._cdata
         aliases = self._storages.get(key)
         if aliases is None:
@@ -348,11 +356,17 @@ class Session:
         """The live borrow whose borrowed tensor shares ``tensor``'s storage, or None."""
         return self._borrowed.get(_storage(tensor)) if self._borrowed else None
 
-    def record(self, seq: int, defs, uses, what: str = "") -> None:
-        """Add invocation ``seq`` to the dependency graph (``History.new_node``)."""
+    def record(self, seq: int, defs, uses, what="") -> None:
+        """Add invocation ``seq``, which defines the remote tensors ``defs`` and uses ``uses``, to the dependency
+        graph (``History.new_node``); ``what`` describes it in error reports. While a compiled function records,
+        the recorder takes it instead (``seq`` is then the operation's index in the recording)."""
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.add(seq, defs, uses, what)
+            return
         if what:
             self.functions[seq] = what
-        self.history.new_node(seq, defs, uses)
+        self.history.new_node(seq, [t.ref.id for t in defs], [t.ref.id for t in uses])
 
     def ensure_comm(self, mesh, mesh_ref: Ref, stream: StreamRef, dims) -> None:
         """Send ``BackendNetworkInit`` (once per session, to every rank) and ``SplitComm`` (once per mesh, stream
@@ -380,6 +394,11 @@ class Session:
         if self._deferred:
             self.run_deferred()
         targets = self._all if ranks is None else tuple(ranks)
+        if self.recorder is not None:
+            with self.lock:
+                recorder = self.recorder
+                if recorder is not None and recorder.capture(targets, message):
+                    return
         held = held_messages()
         if held is not None:
             self.check_ok()
@@ -419,6 +438,9 @@ class Session:
         if self.closed:
             return
         targets = self._all if ranks is None else tuple(ranks)
+        recorder = self.recorder
+        if recorder is not None and recorder.drop(targets, ref_id):
+            return
         held = held_messages()
         if held is not None:
             held.setdefault(self, []).append((targets, _HeldDelete(ref_id)))
@@ -722,7 +744,10 @@ class Session:
                 for s in [s for s in self.functions if s < low]:
                     del self.functions[s]
         elif kind is RemoteFunctionFailed:
-            err = RemoteException(msg.seq, rank, self.workers[rank], msg.error.backtrace, self.functions.get(msg.seq, ""))
+            what = self.functions.get(msg.seq, "")
+            if msg.controller_frame_index is not None and hasattr(what, "operation"):  # a compiled call's operation
+                what = what.operation(msg.controller_frame_index)
+            err = RemoteException(msg.seq, rank, self.workers[rank], msg.error.backtrace, str(what))
             self.history.fail(msg.seq, err)
         elif kind is FetchResult:
             self._fetch_results[msg.seq] = msg

@@ -132,8 +132,10 @@ class Borrow:
             with propagating(), session.fake_mode:  # the same shape and strides, its own fake storage: the borrower's side
                 fake = origin._fake.new_empty_strided(origin._fake.size(), origin._fake.stride())
             self.tensor = Tensor(session.new_ref(), fake, mesh, self.stream)
+            if session.recorder is not None:  # made inside a compiled function: it must be dropped there too
+                session.recorder.borrows[self.id] = self
             session.lend(origin, self)
-            session.record(session.new_seq(), defs=[self.tensor.ref.id], uses=[origin.ref.id], what=repr(self))
+            session.record(session.new_seq(), defs=[self.tensor], uses=[origin], what=repr(self))
             session.send(
                 BorrowCreate(self.tensor.ref, self.id, origin.ref, origin.stream.ref_for(session), to_ref),
                 mesh._rank_list,
@@ -157,6 +159,14 @@ class Borrow:
         with session.lock:  # a drop by the user and the collector's deferred one may race: one of them sends
             if self.dropped:
                 return
+            recorder = session.recorder
+            if recorder is not None:
+                if self.id not in recorder.borrows:
+                    raise RuntimeError(
+                        f"cannot drop {self!r} inside compiled function {recorder.name}: it was made outside, and "
+                        "every call of the function would drop it again; drop it after the call"
+                    )
+                del recorder.borrows[self.id]
             self.dropped = True
             for nested in session.borrows_of(self.tensor):  # lent on: it shares the memory, so it ends first
                 nested.drop()
@@ -168,10 +178,8 @@ class Borrow:
                 self.use()
             session.send(BorrowLastUse(self.id), ranks)
             if self.mutable:
-                origins = [t.ref.id for t in session.aliases_of([self.origin])]
-                session.record(
-                    session.new_seq(), defs=origins, uses=[t.ref.id for t in borrowed] + origins, what=repr(self)
-                )
+                origins = session.aliases_of([self.origin])
+                session.record(session.new_seq(), defs=origins, uses=borrowed + origins, what=repr(self))
             session.send(BorrowDrop(self.id), ranks)
             for alias in borrowed:  # their DeleteRefs go out after BorrowLastUse (deletes follow the buffer)
                 if alias._dropped_at is None:

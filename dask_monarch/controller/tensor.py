@@ -93,7 +93,7 @@ class Tensor(torch.Tensor):
             # written again, in that order, on every rank
             session.send(DeleteRefs([self.ref]), ranks)
             seq = session.new_seq()
-            session.record(seq, defs=[self.ref.id], uses=[value.ref.id], what=".data assignment")
+            session.record(seq, defs=[self], uses=[value], what=".data assignment")
             session.send(
                 CallFunction(seq, [self.ref], (), op_path(alias), ArgsKwargs((value,), {}),
                              self.stream.ref_for(session), ()),

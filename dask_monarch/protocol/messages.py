@@ -539,7 +539,8 @@ class Exit(_Validated):
 
 @_message
 class DefineRecording(_Validated):
-    """Define (a chunk of) recording ``result`` made of ``commands`` (spec §7)."""
+    """Define (a chunk of) recording ``result`` made of ``commands`` (spec §7). ``cuda_graph`` (not in the seed;
+    DESIGN.md "Decisions"): on GPU workers, replay each stream's part as a CUDA graph after a first replay."""
 
     result: Ref
     nresults: int
@@ -547,6 +548,7 @@ class DefineRecording(_Validated):
     commands: list[WorkerMessage]
     ntotal_messages: int
     index: int
+    cuda_graph: bool = False
 
 
 @_message

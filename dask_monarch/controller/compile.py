@@ -1,0 +1,243 @@
+"""``compile``: record a function's operations once, then run each later call as one ``CallRecording`` per rank
+(spec §1 "Coalescing and compile", §7; Monarch's ``monarch.compile``; DESIGN.md "Decisions").
+
+The first call with a given *cache key* records: the function runs on the controller with a formal tensor for
+each tensor argument, and what its operations would send is captured instead (``recording.py``), defined on the
+ranks as a recording, and called. A later call with the same key sends one ``CallRecording`` per rank, which the
+workers replay at their own speed; the function's Python does not run again. The key is the non-tensor argument
+values, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout, mesh, stream,
+``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the recording
+captured.
+
+Beyond Monarch: a whole training step compiles (forward, ``loss.backward()``, ``reduce_`` of the gradients,
+``optimizer.step()``, ``zero_grad()``): tensors the step uses without taking them as arguments (parameters,
+optimizer state) are captures, read and written in place by every replay. Results are detached: autograd of a
+compiled function runs inside it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..protocol import RecordingResult
+from .coalescing import compiling, is_coalescing, recording_block
+from .mesh import get_active_mesh
+from .recording import Recorder, Recording, normalized
+from .tensor import Tensor
+
+__all__ = ["compile", "Compiled"]
+
+
+def _cache_key(leaves: list, name: str) -> tuple:
+    """``(key, tensor arguments)`` for the flattened arguments ``leaves``. Raises ``TypeError`` for a local
+    ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
+    parts = []
+    tensors = []
+    storages: dict = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, Tensor):
+            if x.requires_grad:
+                raise TypeError(
+                    f"REQUIRES_GRAD: compiled function {name}: argument {i} ({x.ref!r}) requires grad; a compiled "
+                    "function runs its autograd inside: pass parameters by using them in the function (they are "
+                    "captured), not as arguments"
+                )
+            f = x._fake
+            alias = storages.setdefault(f.untyped_storage()._cdata, len(storages))
+            mesh = x.mesh
+            parts.append((tuple(f.shape), f.stride(), f.storage_offset(), f.dtype, f.device, f.layout,
+                          id(mesh._session), mesh._rank_list, mesh.names, x.stream, alias))
+            tensors.append(x)
+        elif isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"LOCAL_TENSOR: compiled function {name}: argument {i} is a local torch.Tensor (shape "
+                f"{tuple(x.shape)}); pass remote tensors (made under mesh.activate()) or plain values"
+            )
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                raise TypeError(
+                    f"compiled function {name}: argument {i} of type {type(x).__name__} is not hashable; a compiled "
+                    "function's non-tensor arguments are part of its cache key"
+                ) from None
+            parts.append((type(x), x))
+    return tuple(parts), tensors
+
+
+class _Entry:
+    """One recording of the function and the non-tensor leaves of its result."""
+
+    def __init__(self, recording: Recording | None, spec, values: list, positions: list, reference: list | None):
+        self.recording = recording
+        self.spec = spec
+        self.values = values  # the result's leaves, None where a tensor goes
+        self.positions = positions  # where the result tensors go among them
+        self.reference = reference  # the recording's normalized messages, until verified (verify=True)
+
+    def matches(self, tensors: list) -> bool:
+        return self.recording is None or (not self.recording.session.closed and self.recording.matches(tensors))
+
+    def call(self, tensors: list):
+        values = list(self.values)
+        if self.recording is not None:
+            for position, result in zip(self.positions, self.recording.call(tensors)):
+                values[position] = result
+        return tree_unflatten(values, self.spec)
+
+
+class Compiled:
+    """``fn`` wrapped by ``compile`` (see ``compile``); call it like ``fn``."""
+
+    def __init__(self, fn, verify: bool = True, cuda_graph: bool = False):
+        if not callable(fn):
+            raise TypeError(f"compile needs a callable, got {type(fn).__name__}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"compile: verify must be a bool, got {verify!r}")
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"compile: cuda_graph must be a bool, got {cuda_graph!r}")
+        self.fn = fn
+        self.verify = verify
+        self.cuda_graph = cuda_graph
+        self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self._cache: dict = {}
+        #: how many times the function was recorded (a recording, and the re-recording of ``verify``)
+        self.recordings = 0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if is_coalescing() or compiling() is not None:
+            return self.fn(*args, **kwargs)  # inside coalescing() or another compiled function: its messages join
+        leaves, spec = tree_flatten((args, kwargs))
+        key, tensors = _cache_key(leaves, self.name)
+        entries = self._cache.setdefault(key, [])
+        for entry in entries:
+            if entry.matches(tensors):
+                if entry.reference is not None:
+                    self._verify(entry, leaves, spec, tensors)
+                return entry.call(tensors)
+        entries[:] = [e for e in entries if e.recording is None or not e.recording.session.closed]
+        entry = self._record(leaves, spec, tensors)
+        entries.append(entry)
+        return entry.call(tensors)
+
+    # ------------------------------------------------------------------------------------------- recording
+    def _session(self, tensors: list):
+        if tensors:
+            session = tensors[0].mesh._session
+            for t in tensors[1:]:
+                if t.mesh._session is not session:
+                    raise TypeError(
+                        f"WRONG_MESH: compiled function {self.name}: arguments of two sessions "
+                        f"({tensors[0].ref!r} and {t.ref!r})"
+                    )
+            return session
+        mesh = get_active_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"compiled function {self.name}: no mesh: pass remote tensors or call it under mesh.activate()"
+            )
+        return mesh._session
+
+    def _run_recording(self, leaves, spec, tensors):
+        """Run the function on formals with the session's messages captured. Returns ``(recorder, result leaves,
+        result spec, output tensors)``; on an error nothing is sent and the error is raised."""
+        session = self._session(tensors)
+        recorder = Recorder(session, self.name)
+        with session.lock:
+            session.check_ok()
+            if session.recorder is not None:
+                raise RuntimeError(
+                    f"compiled function {self.name}: {session.recorder.name} is recording on this session (from "
+                    "another thread); a session records one compiled function at a time"
+                )
+            session.recorder = recorder
+        self.recordings += 1
+        try:
+            with recording_block(self.name):
+                formals = iter(recorder.formals(tensors))
+                args, kwargs = tree_unflatten([next(formals) if isinstance(x, Tensor) else x for x in leaves], spec)
+                result = self.fn(*args, **kwargs)
+                out_leaves, out_spec = tree_flatten(result)
+                outputs = [x for x in out_leaves if isinstance(x, Tensor)]
+                for j, out in enumerate(outputs):
+                    if out.mesh._session is not session:
+                        raise TypeError(f"WRONG_MESH: compiled function {self.name} returns a tensor of another session")
+                    out.check_usable()
+                    session.send(RecordingResult(out.ref, j, out.stream.ref_for(session)), out.mesh._rank_list)
+                undropped = recorder.undropped_borrows()
+                if undropped:
+                    raise RuntimeError(
+                        f"compiled function {self.name}: borrows made inside it must be dropped inside it: "
+                        f"{', '.join(map(repr, undropped))}"
+                    )
+        except BaseException:
+            with session.lock:
+                session.recorder = None
+            recorder.close(f"inside compiled function {self.name}, whose recording failed")
+            raise
+        with session.lock:
+            session.recorder = None
+        recorder.close(
+            f"the end of compiled function {self.name}'s recording: a tensor made inside a compiled function exists "
+            "only while it runs; return it from the function to use it after the call"
+        )
+        return recorder, out_leaves, out_spec, outputs
+
+    def _record(self, leaves, spec, tensors) -> _Entry:
+        recorder, out_leaves, out_spec, outputs = self._run_recording(leaves, spec, tensors)
+        positions = [i for i, x in enumerate(out_leaves) if isinstance(x, Tensor)]
+        values = [None if isinstance(x, Tensor) else x for x in out_leaves]
+        recording = Recording(recorder, tensors, outputs, self.cuda_graph) if recorder.messages else None
+        return _Entry(recording, out_spec, values, positions, normalized(recorder) if self.verify else None)
+
+    def _verify(self, entry: _Entry, leaves, spec, tensors) -> None:
+        """Record again and compare with the first recording (Monarch's ``verify``): ``RuntimeError`` naming the
+        first operation that differs, e.g. when the function reads a global that changed. Until a comparison
+        succeeds, every reuse compares again."""
+        recorder = self._run_recording(leaves, spec, tensors)[0]
+        first = entry.reference
+        second = normalized(recorder)
+        for k, (a, b) in enumerate(zip(first, second)):
+            if a != b:
+                raise RuntimeError(
+                    f"compiled function {self.name}: the recording diverges at operation {k} of {len(first)}: the "
+                    f"first recording has\n  {a}\nthe second\n  {b}\n(the function's messages depend on something "
+                    "other than its arguments: a global or a captured tensor that changed; compile(verify=False) "
+                    "turns this check off)"
+                )
+        if len(first) != len(second):
+            raise RuntimeError(
+                f"compiled function {self.name}: the recording diverges at operation {min(len(first), len(second))}: "
+                f"the first recording has {len(first)} operations, the second {len(second)}"
+            )
+        entry.reference = None
+
+    def __repr__(self) -> str:
+        return f"compile({self.fn!r}, verify={self.verify})"
+
+
+def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False):
+    """Wrap ``fn`` so that its first call (per cache key) records its operations and later calls replay them with
+    one ``CallRecording`` per rank (Monarch's ``compile``; spec §7). Usable as ``compile(fn)``, ``@compile`` or
+    ``@compile(verify=False)``.
+
+    * ``verify``: the first reuse of a recording records the function again and raises ``RuntimeError`` naming
+      the first operation that differs ("diverges at operation N").
+    * ``cuda_graph``: on GPU workers, each stream's part of a replay is captured as a CUDA graph after the first
+      replay and launched on later calls (DESIGN.md "Decisions").
+
+    Rules (Monarch's): tensors the function uses but does not take as arguments are *captured* (kept alive with
+    the recording; changing their metadata or rebinding them is not seen); tensors made inside cannot be used
+    after the call unless returned (``TypeError`` DROPPED); a fetch, ``inspect`` or ``coalescing()`` inside raises
+    ``RuntimeError``; arguments that require grad raise ``TypeError`` (REQUIRES_GRAD), while results are detached;
+    a local ``torch.Tensor`` argument raises ``TypeError`` (LOCAL_TENSOR); a failure inside a replay is raised
+    by a fetch of what depends on it as ``RemoteException`` naming the compiled function, the operation (its
+    position and what it called) and the rank.
+    """
+    if fn is None:
+        return lambda f: Compiled(f, verify, cuda_graph)
+    return Compiled(fn, verify, cuda_graph)
