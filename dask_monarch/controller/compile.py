@@ -7,7 +7,8 @@ ranks as a recording, and called. A later call with the same key sends one ``Cal
 workers replay at their own speed; the function's Python does not run again. The key is the non-tensor argument
 values, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout, mesh, stream,
 ``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the recording
-captured.
+captured. Storage offsets count only relative to the other arguments on the same storage, so a batch sliced from
+a larger tensor at another row replays the same recording.
 
 Beyond Monarch: a whole training step compiles (forward, ``loss.backward()``, ``reduce_`` of the gradients,
 ``optimizer.step()``, ``zero_grad()``): tensors the step uses without taking them as arguments (parameters,
@@ -36,7 +37,7 @@ def _cache_key(leaves: list, name: str) -> tuple:
     ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
     parts = []
     tensors = []
-    storages: dict = {}
+    storages: dict = {}  # storage -> (its index, the storage offset of its first tensor)
     for i, x in enumerate(leaves):
         if isinstance(x, Tensor):
             if x.requires_grad:
@@ -46,9 +47,12 @@ def _cache_key(leaves: list, name: str) -> tuple:
                     "captured), not as arguments"
                 )
             f = x._fake
-            alias = storages.setdefault(f.untyped_storage()._cdata, len(storages))
+            offset = f.storage_offset()
+            alias, first = storages.setdefault(f.untyped_storage()._cdata, (len(storages), offset))
             mesh = x.mesh
-            parts.append((tuple(f.shape), f.stride(), f.storage_offset(), f.dtype, f.device, f.layout,
+            # offsets only relative to the other tensors of the same storage: a batch sliced from a larger tensor
+            # at another row is the same recording
+            parts.append((tuple(f.shape), f.stride(), offset - first, f.dtype, f.device, f.layout,
                           id(mesh._session), mesh._rank_list, mesh.names, x.stream, alias))
             tensors.append(x)
         elif isinstance(x, torch.Tensor):
@@ -92,16 +96,20 @@ class _Entry:
 class Compiled:
     """``fn`` wrapped by ``compile`` (see ``compile``); call it like ``fn``."""
 
-    def __init__(self, fn, verify: bool = True, cuda_graph: bool = False):
+    def __init__(self, fn, verify: bool = True, cuda_graph: bool = False, warmup: int = 0):
         if not callable(fn):
             raise TypeError(f"compile needs a callable, got {type(fn).__name__}")
         if not isinstance(verify, bool):
             raise TypeError(f"compile: verify must be a bool, got {verify!r}")
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"compile: cuda_graph must be a bool, got {cuda_graph!r}")
+        if type(warmup) is not int or warmup < 0:
+            raise ValueError(f"compile: warmup must be a non-negative int, got {warmup!r}")
         self.fn = fn
         self.verify = verify
         self.cuda_graph = cuda_graph
+        self.warmup = warmup
+        self._warm: dict = {}  # cache key -> calls run eagerly so far
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self._cache: dict = {}
         #: how many times the function was recorded (a recording, and the re-recording of ``verify``)
@@ -119,6 +127,9 @@ class Compiled:
                 if entry.reference is not None:
                     self._verify(entry, leaves, spec, tensors)
                 return entry.call(tensors)
+        if self._warm.get(key, 0) < self.warmup:
+            self._warm[key] = self._warm.get(key, 0) + 1
+            return self.fn(*args, **kwargs)
         entries[:] = [e for e in entries if e.recording is None or not e.recording.session.closed]
         entry = self._record(leaves, spec, tensors)
         entries.append(entry)
@@ -183,7 +194,9 @@ class Compiled:
             session.recorder = None
         recorder.close(
             f"the end of compiled function {self.name}'s recording: a tensor made inside a compiled function exists "
-            "only while it runs; return it from the function to use it after the call"
+            "only while it runs; return it from the function to use it after the call (state that a function makes "
+            "on its first call, such as an optimizer's momentum buffers, must exist before it is recorded: "
+            "compile(fn, warmup=1) runs the first call eagerly)"
         )
         return recorder, out_leaves, out_spec, outputs
 
@@ -220,7 +233,7 @@ class Compiled:
         return f"compile({self.fn!r}, verify={self.verify})"
 
 
-def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False):
+def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: int = 0):
     """Wrap ``fn`` so that its first call (per cache key) records its operations and later calls replay them with
     one ``CallRecording`` per rank (Monarch's ``compile``; spec §7). Usable as ``compile(fn)``, ``@compile`` or
     ``@compile(verify=False)``.
@@ -229,6 +242,8 @@ def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False):
       the first operation that differs ("diverges at operation N").
     * ``cuda_graph``: on GPU workers, each stream's part of a replay is captured as a CUDA graph after the first
       replay and launched on later calls (DESIGN.md "Decisions").
+    * ``warmup``: the first ``warmup`` calls per cache key run eagerly, before the recording, so that state a
+      function makes on its first call (an optimizer's momentum buffers, say) exists before it is recorded.
 
     Rules (Monarch's): tensors the function uses but does not take as arguments are *captured* (kept alive with
     the recording; changing their metadata or rebinding them is not seen); tensors made inside cannot be used
@@ -239,5 +254,5 @@ def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False):
     position and what it called) and the rank.
     """
     if fn is None:
-        return lambda f: Compiled(f, verify, cuda_graph)
-    return Compiled(fn, verify, cuda_graph)
+        return lambda f: Compiled(f, verify, cuda_graph, warmup)
+    return Compiled(fn, verify, cuda_graph, warmup)

@@ -91,6 +91,7 @@ class Recorder:
         self.captures: dict = {}  # ref id -> tensor used but made outside (kept alive by the recording)
         self.mutated: dict = {}  # ref id -> tensor made outside and written
         self.formal_groups: dict = {}  # fake storage of formals -> the argument indices sharing it
+        self.formal_offsets: list = []  # argument index -> storage offset of its formal
         self.mutated_formals: set = set()
         self.borrows: dict = {}  # borrow id -> Borrow made while recording and not yet dropped
         self.borrow_order: dict = {}  # borrow id -> position, for comparing recordings
@@ -167,6 +168,7 @@ class Recorder:
                                  f.device)
             formal = Tensor(session.new_ref(), fake, t.mesh, t.stream)
             self.formal_groups.setdefault(storage._cdata, []).append(i)
+            self.formal_offsets.append(f.storage_offset())
             session.send(RecordingFormal(formal.ref, i, t.stream.ref_for(session)), t.mesh._rank_list)
             formals.append(formal)
         return formals
@@ -251,8 +253,11 @@ class Recording:
         for j, o in enumerate(outputs):
             f = o._fake
             key = _storage(o)
-            if key in formal_input:
-                base = ("input", formal_input[key])
+            offset = f.storage_offset()
+            if key in formal_input:  # at a call: relative to where that actual starts in its storage
+                i = formal_input[key]
+                base = ("input", i)
+                offset -= recorder.formal_offsets[i]
             elif key in capture_storages:
                 base = ("capture", capture_storages[key])
             elif key in seen:
@@ -260,8 +265,7 @@ class Recording:
             else:
                 base = ("fresh", f.untyped_storage().nbytes())
                 seen[key] = j
-            recipes.append((base, f.storage_offset(), tuple(f.shape), f.stride(), f.dtype, f.device, o.mesh,
-                            o.stream))
+            recipes.append((base, offset, tuple(f.shape), f.stride(), f.dtype, f.device, o.mesh, o.stream))
         return recipes
 
     def matches(self, inputs: list) -> bool:
@@ -282,6 +286,7 @@ class Recording:
                 storage = fresh_storage(which)
             elif kind == "input":
                 storage = actuals[which]._fake.untyped_storage()
+                offset += actuals[which]._fake.storage_offset()
             elif kind == "capture":
                 storage = which._fake.untyped_storage()
             else:
