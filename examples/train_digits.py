@@ -10,6 +10,7 @@ Run it::
     python examples/train_digits.py                       # an embedded local cluster of 2 workers
     python examples/train_digits.py --workers 4 --epochs 10
     python examples/train_digits.py --scheduler tcp://127.0.0.1:8786   # workers of an existing cluster
+    python examples/train_digits.py --compile             # each training step replayed from one recording
 
 The last line printed is ``test_accuracy=0.XXXX``. On a terminal a progress bar per epoch runs on stderr
 (``--progress``/``--no-progress`` to choose); the epoch lines and the last line go to stdout either way. While it
@@ -119,9 +120,11 @@ def progress_bar(epochs: int, enabled: bool | None):
 
 
 def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: float,
-          progress: bool | None = None, device: str = "cpu") -> float:
+          progress: bool | None = None, device: str = "cpu", compiled: bool = False) -> float:
     """Train on ``mesh`` and return the test accuracy. ``progress``: show a progress bar per epoch (None: on a
-    terminal). ``device``: where the workers compute ("cuda": each worker's own GPU)."""
+    terminal). ``device``: where the workers compute ("cuda": each worker's own GPU). ``compiled``: the training
+    step is ``dm.compile``d: its first call runs eagerly (``warmup=1``: SGD makes its momentum buffers there),
+    the second is recorded, and every later step is one ``CallRecording`` per rank that the workers replay."""
     with mesh.activate():  # from here on every torch operation runs on every rank of the mesh
         dm.remote(torch.manual_seed, propagate="inspect")(seed)  # the same initial parameters on every rank
         with torch.device(device):  # parameters made on the workers' GPUs (or CPUs) directly
@@ -131,18 +134,24 @@ def train(mesh, epochs: int, seed: int, lr: float, batch_size: int, start_time: 
         steps = x.shape[0] // batch_size
         bar = progress_bar(epochs, progress)
 
+        def train_step(xb, yb):
+            loss = F.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            # data parallel: average every gradient over the "dp" dimension, in place (the Reduce message)
+            dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
+            optimizer.step()
+            return loss.detach()
+
+        if compiled:
+            train_step = dm.compile(train_step, warmup=1)
+
         for epoch in range(1, epochs + 1):
             dm.remote(shuffle_)(x, y, seed, epoch)  # x and y are mutated in place
             losses = []
             for step in range(steps):
                 rows = slice(step * batch_size, (step + 1) * batch_size)
-                loss = F.cross_entropy(model(x[rows]), y[rows])
-                optimizer.zero_grad()
-                loss.backward()
-                # data parallel: average every gradient over the "dp" dimension, in place (the Reduce message)
-                dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
-                optimizer.step()
-                losses.append(loss.detach())
+                losses.append(train_step(x[rows], y[rows]))
             with torch.no_grad():
                 counted = y_test >= 0  # padding rows (label -1) do not count
                 correct = (model(x_test).argmax(dim=1) == y_test) & counted
@@ -177,6 +186,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="training rows per rank per step")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the workers compute: cuda uses each worker's own GPU")
+    parser.add_argument("--compile", action="store_true",
+                        help="dm.compile the training step: later steps replay its recording on the workers")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar per epoch on stderr (default: when stderr is a terminal)")
     args = parser.parse_args(argv)
@@ -186,7 +197,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     with dm.attach(args.scheduler, dims={"dp": args.workers}) as mesh:
         print(f"attached to {mesh!r} in {time.perf_counter() - start:.1f} s", flush=True)
-        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start, args.progress, args.device)
+        accuracy = train(mesh, args.epochs, args.seed, args.lr, args.batch_size, start, args.progress, args.device,
+                         args.compile)
     print(f"test_accuracy={accuracy:.4f}")
 
 

@@ -80,3 +80,10 @@ def test_train_digits_existing_cluster(tmp_path):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_train_digits_compiled():
+    """``--compile``: the training step is a ``dm.compile``d function whose later calls replay one recording; it
+    trains to the same bar."""
+    proc = run_example("--workers", "2", "--compile")
+    check_accuracy(proc.stdout)

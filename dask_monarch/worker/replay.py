@@ -53,8 +53,6 @@ class Call:
         self.results = msg.results
         self.mutates = msg.mutates
 
-    def defines(self) -> list:
-        return [r for r in self.results if r is not None]
 
     def prepare(self, tw) -> None:
         """Resolve the function and bind the arguments once. A function or argument that cannot be loaded is a
@@ -102,6 +100,70 @@ class Call:
         results = self.results
         self.single = results[0].id if len(results) == 1 and results[0] is not None else None
 
+    def runner(self):
+        """What a replay calls for this step: ``run``, or for the common case (an op that returns one tensor,
+        whose arguments are refs and plain values) a function of exactly that call. It does not check its inputs:
+        ``Program.check_inputs`` looks at the recording's inputs once per replay, and the steps before it made the
+        others (a failure would have stopped the fast path); ``failed`` finds out what went wrong."""
+        fn, args, single = self.fn, self.args, self.single
+        schema = getattr(self.msg_op(), "_schema", None)
+        one_tensor = schema is not None and len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+        if self.error is not None or self.nested or self.nested_kwargs or self.kwargs or single is None \
+                or not one_tensor:
+            return self.run
+        slots = self.slots
+        if len(args) == 1 and len(slots) == 1:
+            (_, r0), = slots
+
+            def run1(stream, env, call):
+                env[single] = fn(env[r0])
+
+            return run1
+        if len(args) == 2 and len(slots) == 1 and slots[0][0] == 0:
+            r0, c1 = slots[0][1], args[1]
+
+            def run2c(stream, env, call):
+                env[single] = fn(env[r0], c1)
+
+            return run2c
+        if len(args) == 2 and len(slots) == 2:
+            r0, r1 = slots[0][1], slots[1][1]
+
+            def run2(stream, env, call):
+                env[single] = fn(env[r0], env[r1])
+
+            return run2
+
+        def run_any(stream, env, call):
+            a = args.copy()
+            for pos, rid in slots:
+                a[pos] = env[rid]
+            env[single] = fn(*a)
+
+        return run_any
+
+    def msg_op(self):
+        """The ``OpOverload`` this step calls, or None (its schema tells how many tensors it returns)."""
+        try:
+            op = resolve_function(self.msg.function)
+        except Exception:
+            return None
+        return op if isinstance(op, torch._ops.OpOverload) else None
+
+    def reads(self) -> tuple:
+        """The ref ids this step reads at the top level of its arguments."""
+        return tuple(rid for _, rid in self.slots)
+
+    def _diagnose(self, env) -> BaseException | None:
+        """Why this step's inputs cannot be read (the fast path does not check), or None."""
+        for _, rid in self.slots:
+            value = env.get(rid, _MISSING)
+            if value is _MISSING:
+                return ValueFailure(f"ref not found: r{rid}")
+            if type(value) is SeqError:
+                return DependentError(value)
+        return None
+
     def run(self, stream, env, call) -> None:
         if self.error is not None:
             raise self.error
@@ -137,6 +199,8 @@ class Call:
 
     def failed(self, stream, env, error: BaseException) -> SeqError:
         """The error this step's failure stores in its results and mutated refs (a root one is reported)."""
+        if type(error) not in (DependentError, ValueFailure) and not isinstance(error, FatalError):
+            error = self._diagnose(env) or error
         if type(error) is DependentError:
             err = error.root
         elif type(error) is ValueFailure:
@@ -167,8 +231,6 @@ class ReduceStep:
         self.index = msg.seq
         self.name = f"Reduce {msg.reduction.value} over {sorted(msg.dims)}"
 
-    def defines(self) -> list:
-        return [self.msg.result]
 
     def prepare(self, tw) -> None:
         pass
@@ -198,8 +260,6 @@ class Formal:
         self.index = None
         self.name = f"RecordingFormal {msg.argument_index}"
 
-    def defines(self) -> list:
-        return [self.msg.result]
 
     def prepare(self, tw) -> None:
         pass
@@ -216,10 +276,14 @@ class Formal:
         if value is _MISSING:
             raise ValueFailure(f"ref not found: {actual} (actual {i} of the recording)")
         env[self.msg.result.id] = value
+        if type(value) is SeqError:  # an errored input: a dependent error, not reported
+            raise _Failed(value)
 
     def failed(self, stream, env, error) -> SeqError:
         if type(error) is ValueFailure:
             return stream._root_error(None, str(error))
+        if type(error) is _Failed:
+            return error.error
         raise error
 
     def skip(self, stream, env, call, err) -> None:
@@ -227,6 +291,8 @@ class Formal:
             self.run(stream, env, call)
         except ValueFailure:
             env[self.msg.result.id] = err
+        except _Failed:
+            pass
 
 
 class Result:
@@ -239,8 +305,6 @@ class Result:
         self.index = None
         self.name = f"RecordingResult {msg.output_index}"
 
-    def defines(self) -> list:
-        return []
 
     def prepare(self, tw) -> None:
         pass
@@ -280,8 +344,6 @@ class Delete:
         self.index = None
         self.name = "DeleteRefs"
 
-    def defines(self) -> list:
-        return []
 
     def prepare(self, tw) -> None:
         pass
@@ -310,20 +372,23 @@ class BorrowStep:
         self.index = None
         self.name = f"borrow {borrow_id} {kind}"
 
-    def defines(self) -> list:
-        return []
 
     def prepare(self, tw) -> None:
         pass
 
     def run(self, stream, env, call) -> None:
-        getattr(call.borrows[self.borrow_id], self.kind)(stream)
+        borrow = call.borrows[self.borrow_id]
+        getattr(borrow, self.kind)(stream)
+        if self.kind == "first_use" and type(env.get(borrow.result.id)) is SeqError:
+            raise _Failed(env[borrow.result.id])  # the lender's value was an error: a dependent error
 
     def failed(self, stream, env, error):
+        if type(error) is _Failed:
+            return error.error
         raise error
 
     def skip(self, stream, env, call, err) -> None:
-        self.run(stream, env, call)
+        getattr(call.borrows[self.borrow_id], self.kind)(stream)
 
 
 # ----------------------------------------------------------------------------------------------------- program
@@ -333,6 +398,7 @@ class Program:
     def __init__(self, stream_id: int):
         self.stream_id = stream_id
         self.steps: list = []
+        self.step_defines: list = []  # per step: the ref ids it defines
         self.defined: set = set()  # every ref a step defines: formals and intermediates, deleted after a replay
         self.formals: dict = {}  # formal ref id -> argument index
         self.results: list = []  # output indices this stream fills
@@ -345,6 +411,7 @@ class Program:
     def add(self, step, defines) -> None:
         """Append ``step``, which defines the refs ``defines``. A ref written twice (and not deleted in between)
         is fatal, as an eager duplicate write is."""
+        self.step_defines.append(tuple(ref.id for ref in defines if ref is not None))
         for ref in defines:
             if ref is None:
                 continue
@@ -373,12 +440,33 @@ class Program:
         self.steps.append(step)
 
     def finish(self, tw) -> None:
-        """Prepare every step and work out which actuals and captured refs a failed replay marks."""
+        """Prepare every step, work out which refs a replay reads from outside (``check_inputs``) and which actuals
+        and captured refs a failed replay marks."""
         for step in self.steps:
             step.prepare(tw)
+        self.runners = [step.runner() if type(step) is Call else step.run for step in self.steps]
+        defined, captured = set(), {}
+        for step, defines in zip(self.steps, self.step_defines):
+            if type(step) is Call:
+                for rid in step.reads():
+                    if rid not in defined:
+                        captured.setdefault(rid, step)
+            defined.update(defines)
+        self.captured = captured  # ref id -> the first step that reads it
         self.mutated_formals = tuple(sorted({self.formals[r] for r in self.mutated if r in self.formals}))
         self.mutated_captures = tuple(sorted(r for r in self.mutated if r not in self.defined))
         del self._live
+
+    def check_inputs(self, env):
+        """Before a replay: the first captured ref that is missing or errored, as ``(step, exception)``, or None
+        (the fast steps do not check their inputs)."""
+        for rid, step in self.captured.items():
+            value = env.get(rid, _MISSING)
+            if value is _MISSING:
+                return step, ValueFailure(f"ref not found: r{rid} (captured by the recording)")
+            if type(value) is SeqError:
+                return step, DependentError(value)
+        return None
 
     def end(self, env, call, error: SeqError | None) -> None:
         """After a replay: mark results and mutated inputs with ``error`` (if it failed), free what it defined."""
@@ -412,8 +500,16 @@ def replay(stream, call) -> None:
     i = 0
     try:
         try:
-            for step in steps:
-                step.run(stream, env, call)
+            bad = program.check_inputs(env)
+            if bad is not None:  # a captured input is missing or errored: fail at the first step that reads it
+                first, exception = bad
+                for step in steps:  # the steps before it still run (formals, borrows, collectives)
+                    if step is first:
+                        raise exception
+                    step.run(stream, env, call)
+                    i += 1
+            for run in program.runners:
+                run(stream, env, call)
                 i += 1
         except (FatalError, SessionOver):
             raise
