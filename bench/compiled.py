@@ -7,6 +7,9 @@ each a ratio measured in the same run (issue 11). ``bench/dispatch.py`` prints t
     this process, outside any mesh), and against the chain sent eagerly and inside ``coalescing()`` through the
     mesh (end to end, through a fetch). Also: the controller's time per compiled call, for this chain and for a
     16-op one (a replay's controller cost does not grow with the recording's length).
+(h) With ``--device cuda`` (one GPU): the chain on 16x16 CUDA tensors, compiled with ``cuda_graph=True`` (each
+    call after the second launches one CUDA graph) and without, against the chain in local eager PyTorch on the
+    same GPU and against the chain captured locally as a ``torch.cuda.CUDAGraph`` and replayed.
 (g) The data-parallel training step of examples/train_digits.py (forward, backward, ``reduce_`` avg of the
     gradients over "dp", SGD with momentum, ``zero_grad``), compiled, on 2 workers; against (i) the same step on
     the global batch in one local process and (ii) a plain ``torch.distributed`` script running the same step on
@@ -14,6 +17,7 @@ each a ratio measured in the same run (issue 11). ``bench/dispatch.py`` prints t
 
     python bench/compiled.py            # about a minute
     python bench/compiled.py --quick
+    python bench/compiled.py --device cuda   # (h) on a GPU machine
 """
 
 from __future__ import annotations
@@ -95,6 +99,57 @@ def bench_chain(mesh, n: int = 2048, repeats: int = 3, calls: int = 20) -> dict:
             "controller_us": statistics.median(controller) * 1e6,
             "controller_short_us": statistics.median(controller_short) * 1e6,
             "eager": statistics.median(eager), "coalesced": statistics.median(coalesced)}
+
+
+# ------------------------------------------------------------------------------- (h) the chain on one GPU
+def _cuda_seconds(fn, repeats: int = 5, calls: int = 20) -> float:
+    """Best of ``repeats`` rounds of ``calls`` calls of ``fn()`` on this GPU, per call, until the GPU is done."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def bench_chain_cuda(mesh, n: int = 2048, repeats: int = 3, calls: int = 50) -> dict:
+    """Per call: the chain compiled with and without ``cuda_graph`` on the worker's GPU (``calls`` calls, then a
+    fetch of the last result, which waits for the GPU; median of ``repeats``), local eager on this GPU, and a
+    local CUDA graph of it (until ``torch.cuda.synchronize()``)."""
+    figures = {}
+    for label, graph in (("graph", True), ("plain", False)):
+        step = dm.compile(lambda x: chain(x, n), verify=False, cuda_graph=graph)
+        with mesh.activate():
+            x = torch.ones(16, 16, device="cuda")
+            for _ in range(3):  # a replay, the capture, a launch
+                result = step(x)
+            value = dm.inspect(result)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    result = step(x)
+                dm.inspect(result)  # a copy to the host: after the GPU ran every call
+                times.append((time.perf_counter() - t0) / calls)
+        figures[label] = statistics.median(times)
+        assert torch.allclose(value, chain(torch.ones(16, 16), n)), "the replay computed a different value"
+    x = torch.ones(16, 16, device="cuda")
+    figures["local"] = _cuda_seconds(lambda: chain(x, n), calls=5)
+    static = torch.ones(16, 16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static, n)  # warm-up before the capture, as torch.cuda.graphs advises
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        chain(static, n)
+    figures["local_graph"] = _cuda_seconds(graph.replay)
+    figures["ops"] = 2 * n
+    return figures
 
 
 # ---------------------------------------------------------------------------------- (g) the digits step
@@ -247,10 +302,36 @@ def rows(chain_figures: dict | None, digits_figures: dict | None, local: float |
     return out
 
 
+def cuda_main(quick: bool) -> None:
+    from distributed import Client
+
+    from dask_monarch.cluster import start_local_cluster
+
+    cluster = start_local_cluster(1, silence_logs=40)
+    client = Client(cluster, set_as_default=False)
+    try:
+        with dm.attach(client, dims={"gpu": 1}) as mesh:
+            f = bench_chain_cuda(mesh, repeats=1 if quick else 3)
+    finally:
+        client.close()
+        cluster.close()
+    print(f"\ndask_monarch compiled chain on one GPU ({f['ops']} ops on 16x16 tensors; "
+          f"{torch.cuda.get_device_name(0)}; torch {torch.__version__})")
+    print(f"{'':44}{'ms per call':>12}{'local eager / this':>20}{'local graph / this':>20}")
+    for label, key in (("(h) compiled, cuda_graph=True, 1 worker", "graph"), ("    compiled, plain replays, 1 worker", "plain"),
+                       ("    local eager on this GPU", "local"), ("    local torch.cuda.CUDAGraph replay", "local_graph")):
+        value = f[key]
+        print(f"{label:<44}{value * 1e3:>12.3f}{f['local'] / value:>20.3f}{f['local_graph'] / value:>20.3f}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: case (h) on one GPU")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        cuda_main(args.quick)
+        return
     steps, repeats = (30, 1) if args.quick else (100, 3)
     from distributed import Client
 

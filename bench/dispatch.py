@@ -13,6 +13,8 @@ measured in the same run (DESIGN.md "Performance design").
 (b) the same op through the public ``remote()`` path (fake-tensor propagation on the controller).
 (c) a training step of examples/train_digits.py (gradient, ``reduce_`` avg over "dp", in-place SGD update) on a
     2-worker mesh vs the same step (same global batch) in this process.
+(f), (g) compiled functions (``bench/compiled.py``): Monarch's 4096-op chain replayed from one recording vs local
+    eager, and the digits step compiled vs local eager and vs a plain torch.distributed script on 2 gloo processes.
 
 Usage::
 
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+from compiled import bench_chain, bench_digits, gloo_digits
+from compiled import rows as compiled_rows
 
 import dask_monarch as dm
 from dask_monarch.controller.session import DEFAULT_STREAM
@@ -512,8 +516,11 @@ def main(argv=None) -> None:
             rem = bench_remote(one, n_remote, repeats)
             disp = bench_dispatch(one, n_remote, repeats)
             prog = bench_program(one, 2048, repeats)
+            chain_figures = bench_chain(one, repeats=repeats)
         with dm.attach(client, dims={"dp": 2}) as two:
             step = bench_train_step(two, n_steps, repeats)
+        with dm.attach(client, dims={"dp": 2}) as two:
+            digits_figures = bench_digits(two, n_steps, repeats)
     except _RawOnly:
         pass
     finally:
@@ -555,6 +562,7 @@ def main(argv=None) -> None:
             (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
              f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
         ]
+        rows += compiled_rows(chain_figures, digits_figures, step["local"], gloo_digits(2, n_steps))
     mode = ("quick" if args.quick else "full") + f", tiny ops on {DEVICE}"
     print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.1f}; median of {repeats})")

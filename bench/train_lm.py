@@ -8,6 +8,14 @@ and never waits until the final fetch; the script calls them directly with ``dis
 
     python bench/train_lm.py             # 8 layers, d_model 1024, 8 x 1024 tokens per GPU
     python bench/train_lm.py --quick
+    python bench/train_lm.py --compiled  # the model as plain PyTorch under activate(), its step dm.compile'd
+
+``--compiled`` (issue 11): the same language model written as an ``nn.Module`` whose parameters live on the mesh,
+trained by a plain PyTorch step (bf16 autocast forward, ``loss.backward()``, ``reduce_`` avg of every gradient,
+``torch.optim.SGD`` with momentum, ``zero_grad``) wrapped in ``dm.compile``: each step is one ``CallRecording`` per
+rank (plus the ``CallFunction`` that makes its synthetic tokens). Against a plain ``torch.distributed`` script
+running the very same step with one ``all_reduce`` per gradient. One GPU is enough (1 rank against a 1-process
+script).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 from _torchrun import gpu_world, run_ranks
+from torch.nn import functional as F
 from torch import nn
 
 _MODELS: dict = {}
@@ -152,10 +161,112 @@ def through_mesh(world: int, cfg: tuple, steps: int):
     return steps / elapsed, loss
 
 
+# ------------------------------------------------------------------------- --compiled: the model as a Module
+def make_tokens(cfg: tuple, step: int, rank):
+    """A synthetic batch of ``batch`` sequences of ``seq + 1`` tokens, seeded by step and rank."""
+    vocab, _, _, _, batch, seq = cfg
+    g = torch.Generator(device="cuda").manual_seed(1_000_003 * step + int(rank))
+    return torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=g)
+
+
+def _shapes_tokens(cfg, step, rank):
+    return torch.empty((cfg[4], cfg[5] + 1), dtype=torch.int64, device="cuda")
+
+
+def module_step(model, optimizer, reduce_grads):
+    """The training step as plain PyTorch; ``reduce_grads(grads)`` averages the gradients over the ranks."""
+
+    def step(tokens):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        reduce_grads([p.grad for p in model.parameters()])
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def _module_raw_worker(rank: int, world: int, cfg: tuple, steps: int) -> tuple:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LM(*cfg[:4])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def all_reduce(grads):
+        for g in grads:
+            dist.all_reduce(g, op=dist.ReduceOp.AVG)
+
+    step = module_step(model, optimizer, all_reduce)
+    for i in range(3):
+        step(make_tokens(cfg, i, rank))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(make_tokens(cfg, 100 + i, rank))
+    loss = loss.item()
+    return steps / (time.perf_counter() - t0), loss
+
+
+def module_compiled(world: int, cfg: tuple, steps: int, cuda_graph: bool = False):
+    import dask_monarch as dm
+
+    with dm.attach(dims={"dp": world}, comm_timeout=600) as mesh:
+        tokens_of = dm.remote(make_tokens, propagate=_shapes_tokens)
+        with mesh.activate():
+            dm.remote(torch.manual_seed, propagate="inspect")(0)
+            with torch.device("cuda"):
+                model = LM(*cfg[:4])
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            rank = mesh.rank("dp")
+            step = dm.compile(module_step(model, optimizer, lambda grads: dm.reduce_(grads, "dp", "avg")),
+                              warmup=1, cuda_graph=cuda_graph)
+            t0 = time.perf_counter()
+            for i in range(4):  # eager (warm-up), recorded, verified (with cuda_graph: captured), replayed
+                loss = step(tokens_of(cfg, i, rank))
+        dm.inspect(loss)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with mesh.activate():
+            for i in range(steps):
+                loss = step(tokens_of(cfg, 100 + i, rank))
+        loss = dm.inspect(loss).item()
+        elapsed = time.perf_counter() - t0
+    return steps / elapsed, loss, first
+
+
+def compiled_main(quick: bool, cuda_graph: bool = False) -> None:
+    world = torch.cuda.device_count()
+    if world < 1:
+        raise SystemExit("needs a CUDA device")
+    cfg = (32000, 512, 4, 8, 8, 512) if quick else (32000, 1024, 8, 16, 8, 1024)
+    steps = 10 if quick else 30
+    n_params = sum(p.numel() for p in _skeleton(cfg).parameters())
+    _MODELS.clear()
+    base_rate, base_loss = run_ranks(_module_raw_worker, world, (cfg, steps), timeout=1200)
+    ours_rate, ours_loss, first = module_compiled(world, cfg, steps, cuda_graph)
+    print(f"\ntransformer LM as an nn.Module, compiled step, {world} x {torch.cuda.get_device_name(0)} "
+          f"({n_params / 1e6:.0f}M parameters, {cfg[4]} x {cfg[5]} tokens per GPU, bf16 autocast; torch {torch.__version__})")
+    print(f"{'':36}{'steps/s':>10}{'ms/step':>10}{'last loss':>11}")
+    print(f"{'plain torch.distributed (Module)':36}{base_rate:>10.2f}{1e3 / base_rate:>10.1f}{base_loss:>11.4f}")
+    label = "dask_monarch, dm.compile" + (" (CUDA graph)" if cuda_graph else "")
+    print(f"{label:36}{ours_rate:>10.2f}{1e3 / ours_rate:>10.1f}{ours_loss:>11.4f}")
+    print(f"ratio (dask_monarch / plain): {ours_rate / base_rate:.3f}   (first 4 steps: eager, recorded, verified, "
+          f"replayed: {first:.1f} s)")
+    assert math.isfinite(ours_loss)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, fewer steps")
+    parser.add_argument("--compiled", action="store_true", help="the model as plain PyTorch, its step compiled")
+    parser.add_argument("--cuda-graph", action="store_true", help="with --compiled: replay the step as a CUDA graph")
     args = parser.parse_args(argv)
+    if args.compiled:
+        compiled_main(args.quick, args.cuda_graph)
+        return
     world = gpu_world()
     # vocab, d_model, layers, heads, batch per GPU, sequence length
     cfg = (32000, 512, 4, 8, 8, 512) if args.quick else (32000, 1024, 8, 16, 8, 1024)

@@ -382,3 +382,25 @@ def test_module_to_converts_remote_parameters(mesh2x2):
     assert [p.dtype for p in model.parameters()] == [torch.float64, torch.float64]
     assert all(torch.equal(a, b.double()) for a, b in zip(after, before))
     assert torch.allclose(out, before[0].double().sum(1, keepdim=True).T + before[1].double())
+
+
+def test_deepcopy_of_a_module_with_remote_parameters(mesh2x2):
+    """``copy.deepcopy`` of remote parameters makes remote copies (``nn.TransformerEncoder`` deep-copies its layer
+    at construction)."""
+    import copy
+
+    with mesh2x2.activate():
+        layer = torch.nn.Linear(3, 2)
+        twin = copy.deepcopy(layer)
+        assert twin.weight is not layer.weight and twin.weight.ref != layer.weight.ref
+        assert isinstance(twin.weight, dm.Tensor) and twin.weight.requires_grad
+        assert [name for name, _ in twin.named_parameters()] == ["weight", "bias"]
+        encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 2,
+                                              enable_nested_tensor=False)
+        out = encoder(torch.ones(3, 1, 8))
+        with torch.no_grad():
+            layer.weight.add_(1)
+    a, b = dm.fetch_shard((layer.weight, twin.weight)).result(timeout=TIMEOUT)
+    with dm.no_mesh.activate():
+        assert torch.equal(a, b + 1)
+    assert dm.fetch_shard(out).result(timeout=TIMEOUT).shape == (3, 1, 8)

@@ -228,6 +228,14 @@ class Recording:
         self.capture_index = {key: k for k, key in enumerate(capture_storages)}
         self.input_pattern = tuple(self.capture_index.get(_storage(t)) for t in inputs)
         self.outputs = self._recipes(recorder, outputs, capture_storages)
+        if cuda_graph:
+            streams = {m.stream.id for _, m in self.messages if hasattr(m, "stream")}
+            streams |= {s.id for _, m in self.messages if type(m) is BorrowCreate for s in (m.from_stream, m.to_stream)}
+            if len(streams) > 1:
+                raise RuntimeError(
+                    f"compiled function {self.name}: cuda_graph=True needs a function that runs on one stream; it "
+                    f"uses {len(streams)} streams (a CUDA graph is captured on one stream)"
+                )
         per_rank: dict = {}
         for targets, msg in self.messages:
             for rank in targets:

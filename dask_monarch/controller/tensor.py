@@ -103,6 +103,20 @@ class Tensor(torch.Tensor):
             old_fake, self._fake = self._fake, fake
             session.retrack(self, old_fake)
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: a remote copy of this tensor on the same mesh and stream (``clone()`` on every
+        rank), as ``nn.Module`` deep copies do to parameters (``nn.TransformerEncoder`` copies its layer); a
+        parameter's copy is a parameter that requires grad like it."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = self.clone()
+        copy.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            copy._is_param = True
+        memo[id(self)] = copy
+        return copy
+
     # ---------------------------------------------------------------------------------------------- reductions
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out: "Tensor | None" = None):
         """``dask_monarch.reduce`` of this tensor; see there (spec §1 ``t.reduce``)."""

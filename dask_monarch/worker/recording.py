@@ -46,6 +46,7 @@ from ..protocol import (
 )
 from .borrow import Borrow
 from .errors import FatalError, NotImplementedYet, SeqError
+from .graphs import replay_graph
 from .replay import BorrowStep, Call, Delete, Formal, Program, ReduceStep, Result, replay
 
 __all__ = ["Definitions", "Recording", "ReplayCall"]
@@ -70,12 +71,14 @@ class Recording:
     """A complete recording: ``programs`` (stream id -> ``Program``) in ascending stream order, the specs of
     the borrows it creates (made anew for each call), and its declared ``nresults`` / ``nformals``."""
 
-    def __init__(self, ref_id: int, programs: dict, borrows: dict, nresults: int, nformals: int):
+    def __init__(self, ref_id: int, programs: dict, borrows: dict, nresults: int, nformals: int,
+                 cuda_graph: bool = False):
         self.ref_id = ref_id
         self.programs = programs
         self.borrows = borrows  # borrow id -> (tensor Ref, result Ref, from stream id, to stream id)
         self.nresults = nresults
         self.nformals = nformals
+        self.cuda_graph = cuda_graph  # replayed as CUDA graphs on GPU workers (worker/graphs.py)
 
     def __repr__(self) -> str:
         steps = sum(len(p.steps) for p in self.programs.values())
@@ -99,14 +102,18 @@ class ReplayCall:
         self._lock = threading.Lock()
 
     def run(self, stream) -> None:
-        """On ``stream``'s thread, in its order: replay this stream's part (``worker/replay.py``)."""
-        replay(stream, self)
+        """On ``stream``'s thread, in its order: replay this stream's part (``worker/replay.py``), through a CUDA
+        graph if the recording asks for one (``worker/graphs.py``)."""
+        if self.recording.cuda_graph:
+            replay_graph(stream, self, replay)
+        else:
+            replay(stream, self)
 
     def root_error(self, stream, index: int | None, text: str) -> SeqError:
         """A root failure of operation ``index`` of the recording on ``stream``: the error its results take, and
         the call's one ``RemoteFunctionFailed`` (under the ``CallRecording`` seq) if none was sent yet."""
         program = self.recording.programs[stream.ref.id]
-        where = f"operation {index} ({program.names.get(index, '?')})" if index is not None else "its inputs"
+        where = f"operation {index} ({program.names.get(index, '?')})" if index is not None else "a formal or result"
         error = WorkerError(f"recording r{self.recording.ref_id} failed at {where}: {text}", stream.tw.actor_id)
         with self._lock:
             first = not self._reported
@@ -167,7 +174,15 @@ class Definitions:
         if msg.index < msg.ntotal_messages - 1:
             return
         self.partial = None
-        self.complete[rid] = _Builder(self.tw, rid).build(partial.commands, msg.nresults, msg.nformals)
+        recording = _Builder(self.tw, rid).build(partial.commands, msg.nresults, msg.nformals)
+        if msg.cuda_graph:
+            if len(recording.programs) > 1:
+                raise FatalError(
+                    f"DefineRecording r{rid}: cuda_graph: a recording on several streams "
+                    f"({sorted(recording.programs)}) cannot be replayed as one CUDA graph"
+                )
+            recording.cuda_graph = True
+        self.complete[rid] = recording
 
     # ----------------------------------------------------------------------------------------- CallRecording
     def call(self, msg: CallRecording) -> None:

@@ -407,6 +407,8 @@ class Program:
         self._live: set = set()
         self.mutated_formals: tuple = ()
         self.mutated_captures: tuple = ()
+        self.graph = None  # the CUDA graph of this program, once captured (worker/graphs.py)
+        self.graph_calls = 0
 
     def add(self, step, defines) -> None:
         """Append ``step``, which defines the refs ``defines``. A ref written twice (and not deleted in between)
