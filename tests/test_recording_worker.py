@@ -411,3 +411,63 @@ def test_reduce_in_recording(client2):
     finally:
         if not session.closed:
             mesh.exit()
+
+
+def test_delete_refs_during_a_definition(session):
+    """A DeleteRefs among a recording's commands is appended to the streams already in the recording, and runs
+    on the others when the definition completes (the commands are taken then; spec §7 note); one sent between
+    two chunks runs at once everywhere."""
+    rec, x, y, gone0, gone1, between = refs(session, 6)
+    session.send(SetRefUnitTestsOnly(gone0, WireValue("Int", 1), ST0))  # stream 0 is not in the recording
+    session.send(SetRefUnitTestsOnly(between, WireValue("Int", 2), ST1))
+    session.send(DefineRecording(rec, 1, 1, [
+        RecordingFormal(x, 0, ST1),
+        call_message(session, ADD, (x, 1), [y], seq=0),
+        DeleteRefs([gone0, x]),  # x is the recording's formal: freed inside each replay
+    ], 2, 0))
+    (before,) = get_refs(session, (gone0, ST0))
+    assert before.present  # the commands wait for the last chunk
+    session.send(DeleteRefs([between]))  # between the chunks: an ordinary DeleteRefs
+    (mid,) = get_refs(session, (between, ST1))
+    assert not mid.present
+    session.send(DefineRecording(rec, 1, 1, [RecordingResult(y, 0, ST1)], 2, 1))
+    (after,) = get_refs(session, (gone0, ST0))
+    assert not after.present  # ran on stream 0, outside the recording, once the definition was complete
+    actual = tensor_ref(session, [1.0])
+    (out,) = refs(session, 1)
+    session.send(CallRecording(session.new_seq(), rec, [out], [actual]))
+    (value,) = fetch(session, [out])
+    assert value.tolist() == [2.0]
+    assert failures(session) == []
+
+
+def test_cuda_graph_recording_replays_plainly_on_cpu(session):
+    rec, x, y = refs(session, 3)
+    session.send(DefineRecording(rec, 1, 1, [
+        RecordingFormal(x, 0, ST1), call_message(session, ADD, (x, x), [y], seq=0), RecordingResult(y, 0, ST1),
+    ], 1, 0, True))
+    outs = []
+    for k in range(3):
+        actual = tensor_ref(session, [float(k)])
+        (out,) = refs(session, 1)
+        session.send(CallRecording(session.new_seq(), rec, [out], [actual]))
+        outs.append(out)
+    assert [v.tolist() for v in fetch(session, outs)] == [[0.0], [2.0], [4.0]]
+
+
+def test_missing_capture_is_a_value_error_of_the_call(session):
+    """A captured ref that no longer exists fails the call (reported once, "ref not found"), not the session."""
+    rec, x, y = refs(session, 3)
+    c = tensor_ref(session, [5.0])
+    define(session, rec, [RecordingFormal(x, 0, ST1), call_message(session, ADD, (x, c), [y], seq=0),
+                          RecordingResult(y, 0, ST1)], nresults=1, nformals=1)
+    session.send(DeleteRefs([c]))
+    actual = tensor_ref(session, [1.0])
+    (out,) = refs(session, 1)
+    seq = session.new_seq()
+    session.send(CallRecording(seq, rec, [out], [actual]))
+    (res,) = get_refs(session, (out, ST1))
+    assert res.error and f"ref not found: r{c.id}" in res.error
+    (report,) = failures(session)
+    assert report.seq == seq
+    assert fetch(session, [actual])[0].tolist() == [1.0]  # the session lives on
