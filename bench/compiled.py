@@ -318,8 +318,10 @@ def cuda_main(quick: bool) -> None:
     print(f"\ndask_monarch compiled chain on one GPU ({f['ops']} ops on 16x16 tensors; "
           f"{torch.cuda.get_device_name(0)}; torch {torch.__version__})")
     print(f"{'':44}{'ms per call':>12}{'local eager / this':>20}{'local graph / this':>20}")
-    for label, key in (("(h) compiled, cuda_graph=True, 1 worker", "graph"), ("    compiled, plain replays, 1 worker", "plain"),
-                       ("    local eager on this GPU", "local"), ("    local torch.cuda.CUDAGraph replay", "local_graph")):
+    for label, key in (("(h) compiled, cuda_graph=True, 1 worker", "graph"),
+                       ("    compiled, plain replays, 1 worker", "plain"),
+                       ("    local eager on this GPU", "local"),
+                       ("    local torch.cuda.CUDAGraph replay", "local_graph")):
         value = f[key]
         print(f"{label:<44}{value * 1e3:>12.3f}{f['local'] / value:>20.3f}{f['local_graph'] / value:>20.3f}")
 

@@ -570,3 +570,15 @@ def test_batches_sliced_at_other_rows_share_a_recording(mesh1):
                 rows = torch.arange(4.0 * k, 4.0 * k + 4)
                 assert torch.equal(doubled, rows * 2) and torch.equal(tail, rows[1:])
         assert [o[1]._fake.storage_offset() for o in outs] == [1, 5, 9, 13]
+
+
+def test_the_active_mesh_is_part_of_the_key(client2):
+    """A function without tensor arguments records once per active mesh: its factories run there."""
+    make = dm.compile(lambda: torch.ones(2) * 3, verify=False)
+    with dm.attach(client2, dims={"a": 2}) as mesh_a, dm.attach(client2, dims={"b": 2}) as mesh_b:
+        with mesh_a.activate():
+            ra = make()
+        with mesh_b.activate():
+            rb = make()
+        assert ra.mesh is mesh_a and rb.mesh is mesh_b and make.recordings == 2
+        assert inspect(ra).tolist() == inspect(rb).tolist() == [3.0, 3.0]

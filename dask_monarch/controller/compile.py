@@ -5,10 +5,10 @@ The first call with a given *cache key* records: the function runs on the contro
 each tensor argument, and what its operations would send is captured instead (``recording.py``), defined on the
 ranks as a recording, and called. A later call with the same key sends one ``CallRecording`` per rank, which the
 workers replay at their own speed; the function's Python does not run again. The key is the non-tensor argument
-values, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout, mesh, stream,
-``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the recording
-captured. Storage offsets count only relative to the other arguments on the same storage, so a batch sliced from
-a larger tensor at another row replays the same recording.
+values, the active mesh and stream, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout,
+mesh, stream, ``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the
+recording captured. Storage offsets count only relative to the other arguments on the same storage, so a batch
+sliced from a larger tensor at another row replays the same recording.
 
 Beyond Monarch: a whole training step compiles (forward, ``loss.backward()``, ``reduce_`` of the gradients,
 ``optimizer.step()``, ``zero_grad()``): tensors the step uses without taking them as arguments (parameters,
@@ -27,6 +27,7 @@ from ..protocol import RecordingResult
 from .coalescing import compiling, is_coalescing, recording_block
 from .mesh import get_active_mesh
 from .recording import Recorder, Recording, normalized
+from .stream import get_active_stream
 from .tensor import Tensor
 
 __all__ = ["compile", "Compiled"]
@@ -35,7 +36,8 @@ __all__ = ["compile", "Compiled"]
 def _cache_key(leaves: list, name: str) -> tuple:
     """``(key, tensor arguments)`` for the flattened arguments ``leaves``. Raises ``TypeError`` for a local
     ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
-    parts = []
+    mesh = get_active_mesh()  # operations without tensor inputs (factories) run on the active mesh and stream
+    parts = [None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream()]
     tensors = []
     storages: dict = {}  # storage -> (its index, the storage offset of its first tensor)
     for i, x in enumerate(leaves):
@@ -176,7 +178,9 @@ class Compiled:
                 outputs = [x for x in out_leaves if isinstance(x, Tensor)]
                 for j, out in enumerate(outputs):
                     if out.mesh._session is not session:
-                        raise TypeError(f"WRONG_MESH: compiled function {self.name} returns a tensor of another session")
+                        raise TypeError(
+                            f"WRONG_MESH: compiled function {self.name} returns a tensor of another session"
+                        )
                     out.check_usable()
                     session.send(RecordingResult(out.ref, j, out.stream.ref_for(session)), out.mesh._rank_list)
                 undropped = recorder.undropped_borrows()
