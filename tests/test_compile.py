@@ -582,3 +582,35 @@ def test_the_active_mesh_is_part_of_the_key(client2):
             rb = make()
         assert ra.mesh is mesh_a and rb.mesh is mesh_b and make.recordings == 2
         assert inspect(ra).tolist() == inspect(rb).tolist() == [3.0, 3.0]
+
+
+def test_argument_structure_is_part_of_the_key(mesh1):
+    """Calls whose leaves coincide but whose structure differs (keyword order, a list instead of two arguments)
+    are different recordings."""
+    with mesh1.activate():
+        x = torch.full((2,), 3.0)
+        f = dm.compile(lambda t, p=0, q=0: t * p + q)
+        for _ in range(3):
+            f(x, p=2, q=5)
+        r = f(x, q=2, p=5)
+        g = dm.compile(lambda t, *rest: t * len(rest))
+        g(x, 1, 2)
+        r2 = g(x, [1, 2])
+        assert f.recordings == 3 and g.recordings == 2
+        assert inspect(r).tolist() == [17.0, 17.0] and inspect(r2).tolist() == [3.0, 3.0]
+
+
+def test_verify_ignores_which_outside_aliases_are_alive(mesh1):
+    """A function that updates a captured tensor and returns it: the previous result (an alias of the capture) is
+    alive at the verifying call, which is not a divergence."""
+    with mesh1.activate():
+        count = torch.zeros(())
+
+        @dm.compile
+        def tick():
+            count.add_(1)
+            return count
+
+        results = [tick() for _ in range(3)]
+        assert [inspect(r).item() for r in results] == [3.0, 3.0, 3.0]  # each result aliases count
+        assert inspect(count).item() == 3.0

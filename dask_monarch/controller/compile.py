@@ -33,11 +33,11 @@ from .tensor import Tensor
 __all__ = ["compile", "Compiled"]
 
 
-def _cache_key(leaves: list, name: str) -> tuple:
-    """``(key, tensor arguments)`` for the flattened arguments ``leaves``. Raises ``TypeError`` for a local
+def _cache_key(leaves: list, spec, name: str) -> tuple:
+    """``(key, tensor arguments)`` for the flattened arguments ``leaves`` of structure ``spec``. Raises ``TypeError`` for a local
     ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
     mesh = get_active_mesh()  # operations without tensor inputs (factories) run on the active mesh and stream
-    parts = [None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream()]
+    parts = [spec, None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream()]
     tensors = []
     storages: dict = {}  # storage -> (its index, the storage offset of its first tensor)
     for i, x in enumerate(leaves):
@@ -122,7 +122,7 @@ class Compiled:
         if is_coalescing() or compiling() is not None:
             return self.fn(*args, **kwargs)  # inside coalescing() or another compiled function: its messages join
         leaves, spec = tree_flatten((args, kwargs))
-        key, tensors = _cache_key(leaves, self.name)
+        key, tensors = _cache_key(leaves, spec, self.name)
         entries = self._cache.setdefault(key, [])
         for entry in entries:
             if entry.matches(tensors):

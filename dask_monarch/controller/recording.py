@@ -341,9 +341,11 @@ class Recording:
 
 # ---------------------------------------------------------------------------------------------- comparing
 def normalized(recorder: Recorder) -> list:
-    """The recorder's messages with the refs and borrow ids of what it made renumbered in order of creation, and
-    without ``DeleteRefs`` (when Python frees a temporary does not change what a recording computes): two
-    recordings of the same computation compare equal (``compile(verify=True)``)."""
+    """The recorder's messages with the refs and borrow ids of what it made renumbered in order of creation,
+    without ``DeleteRefs`` (when Python frees a temporary does not change what a recording computes), and with
+    only the recording's own tensors among a ``CallFunction``'s ``mutates`` (which aliases from outside were alive
+    when it recorded does not either): two recordings of the same computation compare equal
+    (``compile(verify=True)``)."""
     created, borrows = recorder.created_refs, recorder.borrow_order
 
     def norm(x):
@@ -361,6 +363,8 @@ def normalized(recorder: Recorder) -> list:
                 value = getattr(x, field.name)
                 if field.name == "borrow" and type(value) is int:
                     value = ("borrow", borrows.get(value, value))
+                elif field.name == "mutates" and t is CallFunction:
+                    value = sorted(created[r.id] for r in value if r.id in created)
                 values.append(norm(value))
             return (t.__name__, *values)
         return x
