@@ -614,3 +614,95 @@ def test_verify_ignores_which_outside_aliases_are_alive(mesh1):
         results = [tick() for _ in range(3)]
         assert [inspect(r).item() for r in results] == [3.0, 3.0, 3.0]  # each result aliases count
         assert inspect(count).item() == 3.0
+
+
+def test_other_threads_are_not_recorded(mesh1):
+    """While one thread records a compiled function, another thread's operations on the session go out as usual
+    (they were captured into the recording: replayed on every call, and a fetch failed the session)."""
+    import threading
+
+    with mesh1.activate():
+        b = torch.zeros(2)
+        x = torch.ones(2)
+    inside, done = threading.Event(), threading.Event()
+
+    def slow(t):
+        inside.set()
+        done.wait(30)
+        return t * 2
+
+    step = dm.compile(slow, verify=False)
+    other_result = {}
+
+    def other():
+        inside.wait(30)
+        with mesh1.activate():
+            b.add_(1)
+            other_result["value"] = dm.inspect(b + 0)
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with mesh1.activate():
+        y = step(x)
+        thread.join(60)
+        for _ in range(2):
+            y = step(x)
+    assert other_result["value"].tolist() == [1.0, 1.0]
+    assert inspect(b).tolist() == [1.0, 1.0] and inspect(y).tolist() == [2.0, 2.0]
+
+
+def test_grad_mode_is_part_of_the_key(mesh1):
+    with mesh1.activate():
+        w = torch.ones(3, requires_grad=True)
+        f = dm.compile(lambda t: (w * t).sum(), verify=False)
+        with torch.no_grad():
+            f(torch.ones(3))
+        out = f(torch.ones(3))
+        assert f.recordings == 2 and not out.requires_grad
+
+
+def test_verify_compares_non_tensor_results(mesh1):
+    with mesh1.activate():
+        calls = {"n": 0}
+
+        @dm.compile
+        def counted(t):
+            calls["n"] += 1
+            return t + 1, calls["n"]
+
+        counted(torch.ones(2))
+        with pytest.raises(RuntimeError, match="diverges in its non-tensor results"):
+            counted(torch.ones(2))
+
+
+def test_dropped_tensors_are_refused_by_reduce_and_fetch(mesh1):
+    with mesh1.activate():
+        keep = {}
+
+        @dm.compile
+        def f(t):
+            keep["y"] = t * 5
+            return t + 1
+
+        f(torch.ones(2))
+        with pytest.raises(TypeError, match="DROPPED"):
+            keep["y"].reduce("workers")
+        with pytest.raises(TypeError, match="DROPPED"):
+            dm.fetch_shard(keep["y"])
+        x = torch.ones(2)
+        x.drop()
+        with pytest.raises(TypeError, match="DROPPED"):
+            dm.inspect(x)
+        with pytest.raises(TypeError, match="DROPPED"):
+            x.reduce_("workers")
+
+
+def test_many_recordings_warn(mesh1):
+    with mesh1.activate():
+        f = dm.compile(lambda t, lr: t * lr, verify=False)
+        f.MANY_RECORDINGS = 3
+        x = torch.ones(2)
+        with pytest.warns(RuntimeWarning, match="4 recordings"):
+            for k in range(4):
+                f(x, 0.1 * k)

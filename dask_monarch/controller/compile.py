@@ -5,7 +5,7 @@ The first call with a given *cache key* records: the function runs on the contro
 each tensor argument, and what its operations would send is captured instead (``recording.py``), defined on the
 ranks as a recording, and called. A later call with the same key sends one ``CallRecording`` per rank, which the
 workers replay at their own speed; the function's Python does not run again. The key is the non-tensor argument
-values, the active mesh and stream, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout,
+values, the active mesh and stream, grad mode and autocast, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout,
 mesh, stream, ``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the
 recording captured. Storage offsets count only relative to the other arguments on the same storage, so a batch
 sliced from a larger tensor at another row replays the same recording.
@@ -19,6 +19,7 @@ compiled function runs inside it.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -37,7 +38,8 @@ def _cache_key(leaves: list, spec, name: str) -> tuple:
     """``(key, tensor arguments)`` for the flattened arguments ``leaves`` of structure ``spec``. Raises ``TypeError`` for a local
     ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
     mesh = get_active_mesh()  # operations without tensor inputs (factories) run on the active mesh and stream
-    parts = [spec, None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream()]
+    parts = [spec, None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream(),
+             torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")]
     tensors = []
     storages: dict = {}  # storage -> (its index, the storage offset of its first tensor)
     for i, x in enumerate(leaves):
@@ -72,6 +74,14 @@ def _cache_key(leaves: list, spec, name: str) -> tuple:
                 ) from None
             parts.append((type(x), x))
     return tuple(parts), tensors
+
+
+def _same(a: list, b: list) -> bool:
+    """Whether two lists of non-tensor results are equal (values whose ``==`` is not a bool count as equal)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return True
 
 
 class _Entry:
@@ -114,6 +124,7 @@ class Compiled:
         self._warm: dict = {}  # cache key -> calls run eagerly so far
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self._cache: dict = {}
+        self._warned = False
         #: how many times the function was recorded (a recording, and the re-recording of ``verify``)
         self.recordings = 0
         functools.update_wrapper(self, fn)
@@ -123,8 +134,7 @@ class Compiled:
             return self.fn(*args, **kwargs)  # inside coalescing() or another compiled function: its messages join
         leaves, spec = tree_flatten((args, kwargs))
         key, tensors = _cache_key(leaves, spec, self.name)
-        entries = self._cache.setdefault(key, [])
-        for entry in entries:
+        for entry in self._cache.get(key, ()):
             if entry.matches(tensors):
                 if entry.reference is not None:
                     self._verify(entry, leaves, spec, tensors)
@@ -132,20 +142,43 @@ class Compiled:
         if self._warm.get(key, 0) < self.warmup:
             self._warm[key] = self._warm.get(key, 0) + 1
             return self.fn(*args, **kwargs)
-        entries[:] = [e for e in entries if e.recording is None or not e.recording.session.closed]
+        self._prune()
         entry = self._record(leaves, spec, tensors)
-        entries.append(entry)
+        self._cache.setdefault(key, []).append(entry)
+        self._warn_if_many()
         return entry.call(tensors)
+
+    #: recordings of one compiled function (over its live sessions) beyond which it warns, once
+    MANY_RECORDINGS = 64
+
+    def _prune(self) -> None:
+        """Forget the recordings of sessions that ended."""
+        for key, entries in list(self._cache.items()):
+            entries[:] = [e for e in entries if e.recording is None or not e.recording.session.closed]
+            if not entries:
+                del self._cache[key]
+                self._warm.pop(key, None)
+
+    def _warn_if_many(self) -> None:
+        count = sum(len(entries) for entries in self._cache.values())
+        if count > self.MANY_RECORDINGS and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"compiled function {self.name} has {count} recordings: an argument whose value changes from call "
+                "to call (a float learning rate, a step counter) makes a new recording each time; pass it as a "
+                "remote tensor instead", RuntimeWarning, stacklevel=3,
+            )
 
     # ------------------------------------------------------------------------------------------- recording
     def _session(self, tensors: list):
         if tensors:
             session = tensors[0].mesh._session
-            for t in tensors[1:]:
+            for i, t in enumerate(tensors[1:], 1):
                 if t.mesh._session is not session:
                     raise TypeError(
-                        f"WRONG_MESH: compiled function {self.name}: arguments of two sessions "
-                        f"({tensors[0].ref!r} and {t.ref!r})"
+                        f"WRONG_MESH: compiled function {self.name}: its tensor arguments belong to two sessions "
+                        f"(tensor argument 0 to session {session.id[:8]}, tensor argument {i} to session "
+                        f"{t.mesh._session.id[:8]})"
                     )
             return session
         mesh = get_active_mesh()
@@ -168,7 +201,6 @@ class Compiled:
                     "another thread); a session records one compiled function at a time"
                 )
             session.recorder = recorder
-        self.recordings += 1
         try:
             with recording_block(self.name):
                 formals = iter(recorder.formals(tensors))
@@ -196,6 +228,7 @@ class Compiled:
             raise
         with session.lock:
             session.recorder = None
+        self.recordings += 1
         recorder.close(
             f"the end of compiled function {self.name}'s recording: a tensor made inside a compiled function exists "
             "only while it runs; return it from the function to use it after the call (state that a function makes "
@@ -213,23 +246,34 @@ class Compiled:
 
     def _verify(self, entry: _Entry, leaves, spec, tensors) -> None:
         """Record again and compare with the first recording (Monarch's ``verify``): ``RuntimeError`` naming the
-        first operation that differs, e.g. when the function reads a global that changed. Until a comparison
-        succeeds, every reuse compares again."""
-        recorder = self._run_recording(leaves, spec, tensors)[0]
+        first operation that differs, e.g. when the function reads a global that changed, and the non-tensor
+        results. Until a comparison succeeds, every reuse compares again."""
+        recorder, out_leaves, out_spec, _ = self._run_recording(leaves, spec, tensors)
         first = entry.reference
         second = normalized(recorder)
         for k, (a, b) in enumerate(zip(first, second)):
             if a != b:
+                seq = getattr(recorder.messages[k][1], "seq", None) if k < len(recorder.messages) else None
+                op = recorder.ops[seq] if isinstance(seq, int) and 0 <= seq < len(recorder.ops) else None
+                where = f" (recorded at {op[1]})" if op else ""
                 raise RuntimeError(
-                    f"compiled function {self.name}: the recording diverges at operation {k} of {len(first)}: the "
-                    f"first recording has\n  {a}\nthe second\n  {b}\n(the function's messages depend on something "
-                    "other than its arguments: a global or a captured tensor that changed; compile(verify=False) "
-                    "turns this check off)"
+                    f"compiled function {self.name}: the recording diverges at operation {k} of {len(first)}{where}: "
+                    f"the first recording has\n  {a}\nthe second\n  {b}\n(the function's messages depend on "
+                    "something other than its arguments: a global or a captured tensor that changed; "
+                    "compile(verify=False) turns this check off)"
                 )
         if len(first) != len(second):
             raise RuntimeError(
                 f"compiled function {self.name}: the recording diverges at operation {min(len(first), len(second))}: "
                 f"the first recording has {len(first)} operations, the second {len(second)}"
+            )
+        values = [None if isinstance(x, Tensor) else x for x in out_leaves]
+        if out_spec != entry.spec or not _same(values, entry.values):
+            raise RuntimeError(
+                f"compiled function {self.name}: the recording diverges in its non-tensor results: the first "
+                f"recording returned {tree_unflatten(entry.values, entry.spec)!r}, the second "
+                f"{tree_unflatten(values, out_spec)!r} (a compiled function's non-tensor results are those of its "
+                "recording; return tensors for values that change)"
             )
         entry.reference = None
 

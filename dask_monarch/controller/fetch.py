@@ -64,7 +64,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     The rank is given by ``shard`` (a dict dim -> coordinate) or keyword coordinates; by default the mesh's
     first rank, otherwise every dim must be given. Returns a future whose ``result(timeout=None)`` gives ``obj``
     with every remote tensor replaced by a CPU ``torch.Tensor``. Raises ``KeyError``/``ValueError``/
-    ``IndexError`` for bad coordinates; the future raises ``RemoteException`` if the value depends on a failed
+    ``IndexError`` for bad coordinates, ``TypeError`` (DROPPED) for a dropped tensor; the future raises ``RemoteException`` if the value depends on a failed
     invocation (on any rank), ``SessionError`` if the session failed.
     """
     if shard is not None and not isinstance(shard, dict):
@@ -74,6 +74,8 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
         return _Done(obj)
+    for t in tensors:
+        t.check_usable()  # TypeError DROPPED
     mesh = tensors[0].mesh
     for t in tensors[1:]:
         if t.mesh._session is not mesh._session:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import weakref
+
+import torch
 
 from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import _disable_current_modes
@@ -85,6 +88,7 @@ class Recorder:
     def __init__(self, session, name: str):
         self.session = session
         self.name = name
+        self.thread = threading.get_ident()
         self.messages: list = []  # (targets, message): messages hold refs, not tensors
         self.ops: list = []  # operation index -> (what, where)
         self.created_refs: dict = {}  # ref id of a tensor made while recording -> its position
@@ -98,6 +102,13 @@ class Recorder:
         self.borrow_order: dict = {}  # borrow id -> position, for comparing recordings
 
     # ----------------------------------------------------------------------------------- session hooks
+    def owns_thread(self) -> bool:
+        """Whether what this thread sends belongs to the recording: the compiled function's own thread, or an
+        autograd engine thread in a backward pass (a backward of CUDA tensors runs on autograd's device threads).
+        Another thread's operations on the session go out as usual meanwhile (unless it runs a backward pass of
+        its own at the same moment, which would be recorded)."""
+        return threading.get_ident() == self.thread or torch._C._current_graph_task_id() != -1
+
     def next_index(self) -> int:
         """``Session.new_seq`` while recording: the next operation's index."""
         self.ops.append(None)

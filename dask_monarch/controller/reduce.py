@@ -50,6 +50,7 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         raise NotImplementedError("reduce(mesh=...) is not supported; reduce over dims of the tensor's own mesh")
     if not isinstance(t, Tensor):
         raise TypeError(f"reduce needs a remote dask_monarch.Tensor, got {type(t).__name__}")
+    t.check_usable()
     red = Reduction.parse(reduction)
     tmesh = t.mesh
     dims = _dims(tmesh, dims)
@@ -76,6 +77,7 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
     if out is not None:
         if not isinstance(out, Tensor):
             raise TypeError(f"reduce: out must be a remote dask_monarch.Tensor, got {type(out).__name__}")
+        out.check_usable()
         if out.mesh._session is not tmesh._session:
             raise TypeError(
                 f"WRONG_MESH: reduce: out ({out.ref}) belongs to another session ({out.mesh._session.id[:8]}) "

@@ -260,8 +260,8 @@ class Session:
         self._lent: dict[int, weakref.WeakSet] = {}  # fake storage of a borrowed tensor -> its live borrows
         self._borrowed = weakref.WeakValueDictionary()  # fake storage of a borrow's tensor -> that borrow
         self._deferred: deque = deque()  # work the garbage collector left for the next send (Borrow.__del__)
-        #: the ``Recorder`` of a compiled function recording now (``controller/recording.py``): everything sent on
-        #: this session meanwhile, from any thread (autograd's included), is captured instead of sent
+        #: the ``Recorder`` of a compiled function recording now (``controller/recording.py``): what its thread (and
+        #: autograd's threads, which run a backward pass of CUDA tensors) sends meanwhile is captured instead
         self.recorder = None
         self._network = False
         self._splits: set = set()
@@ -276,10 +276,18 @@ class Session:
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
 
     # ------------------------------------------------------------------------------------------------ ids
+    def recording(self):
+        """The recorder capturing what this thread sends: set while a compiled function records, on its own thread
+        and on autograd's threads (``Recorder.owns_thread``); else None."""
+        recorder = self.recorder
+        if recorder is not None and recorder.owns_thread():
+            return recorder
+        return None
+
     def new_seq(self) -> int:
         """The next seq; while a compiled function records, the next operation's index in the recording."""
         with self.lock:
-            if self.recorder is not None:
+            if self.recorder is not None and self.recorder.owns_thread():
                 return self.recorder.next_index()
             seq = self._next_seq
             self._next_seq += 1
@@ -294,7 +302,7 @@ class Session:
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:
         """Remember ``tensor`` among the live aliases of its (fake) storage."""
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.owns_thread():
             self.recorder.created(tensor)
         key = tensor._fake.untyped_storage()._cdata
         aliases = self._storages.get(key)
@@ -361,7 +369,7 @@ class Session:
         graph (``History.new_node``); ``what`` describes it in error reports. While a compiled function records,
         the recorder takes it instead (``seq`` is then the operation's index in the recording)."""
         recorder = self.recorder
-        if recorder is not None:
+        if recorder is not None and recorder.owns_thread():
             recorder.add(seq, defs, uses, what)
             return
         if what:
@@ -397,7 +405,7 @@ class Session:
         if self.recorder is not None:
             with self.lock:
                 recorder = self.recorder
-                if recorder is not None and recorder.capture(targets, message):
+                if recorder is not None and recorder.owns_thread() and recorder.capture(targets, message):
                     return
         held = held_messages()
         if held is not None:

@@ -132,8 +132,9 @@ class Borrow:
             with propagating(), session.fake_mode:  # the same shape and strides, its own fake storage: the borrower's side
                 fake = origin._fake.new_empty_strided(origin._fake.size(), origin._fake.stride())
             self.tensor = Tensor(session.new_ref(), fake, mesh, self.stream)
-            if session.recorder is not None:  # made inside a compiled function: it must be dropped there too
-                session.recorder.borrows[self.id] = self
+            recorder = session.recording()
+            if recorder is not None:  # made inside a compiled function: it must be dropped there too
+                recorder.borrows[self.id] = self
             session.lend(origin, self)
             session.record(session.new_seq(), defs=[self.tensor], uses=[origin], what=repr(self))
             session.send(
@@ -159,7 +160,7 @@ class Borrow:
         with session.lock:  # a drop by the user and the collector's deferred one may race: one of them sends
             if self.dropped:
                 return
-            recorder = session.recorder
+            recorder = session.recording()
             if recorder is not None:
                 if self.id not in recorder.borrows:
                     raise RuntimeError(

@@ -65,6 +65,8 @@ class Call:
                 fn = None
             else:
                 fn = resolve_function(msg.function)
+                if type(msg.function) is not FunctionPath:  # by value: name it by what it is
+                    self.name = getattr(fn, "__qualname__", None) or self.name
                 fn = getattr(fn, "_op", fn) if isinstance(fn, torch._ops.OpOverload) else fn
         except Exception as e:
             fn = None
@@ -446,6 +448,7 @@ class Program:
         and captured refs a failed replay marks."""
         for step in self.steps:
             step.prepare(tw)
+        self.names = {step.index: step.name for step in self.steps if step.index is not None}
         self.runners = [step.runner() if type(step) is Call else step.run for step in self.steps]
         defined, captured = set(), {}
         for step, defines in zip(self.steps, self.step_defines):
