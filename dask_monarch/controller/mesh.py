@@ -103,6 +103,17 @@ class DeviceMesh:
         """Dask worker address of every rank of this mesh, by global rank."""
         return {r: self._session.workers[r] for r in self._rank_list}
 
+    def seen_from(self, rank: int | None = None):
+        """This mesh as a remote function receives it on global rank ``rank`` (default: the mesh's first): the
+        worker's ``DeviceMesh`` (``worker/device_mesh.py``: ``dims[name].rank / .size / .members``). Raises
+        ``ValueError`` if ``rank`` is not in the mesh."""
+        from ..worker.device_mesh import DeviceMesh as WorkerMesh, MeshError
+
+        try:
+            return WorkerMesh(self.names, self.processes, self._rank_list[0] if rank is None else rank)
+        except MeshError as e:
+            raise ValueError(str(e)) from None
+
     # ----------------------------------------------------------------------------------------------- sub-meshes
     def slice(self, **selection) -> "DeviceMesh":
         """Sub-mesh: ``dim=int`` removes the dim at that coordinate; ``dim=slice(...)`` keeps a range (step 1 or
