@@ -6,6 +6,7 @@ Progress panels group by, the workers' heartbeat metrics and Prometheus metrics,
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -251,3 +252,64 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     prefixes = set(client2.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
     mine = {p for p in prefixes if tag in p}
     assert mine == {f"monarch-messages-{tag}", f"monarch-fetch-{tag}", f"monarch-exit-{tag}"}, prefixes
+
+
+# ------------------------------------------------------------------------------- the page from the scheduler's start
+def start_scheduler(tmp_path, *args: str, env: dict | None = None):
+    """``dask scheduler`` with ``args``; returns the process and its dashboard port (from its scheduler file)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    scheduler_file = tmp_path / "scheduler.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+         "--scheduler-file", str(scheduler_file), *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    info = wait_until(lambda: scheduler_file.exists() and json.loads(scheduler_file.read_text() or "{}"),
+                      "the scheduler file", timeout=60)
+    return proc, info["address"], info["services"]["dashboard"]
+
+
+@pytest.mark.parametrize("how", ["--preload", "config"])
+def test_page_exists_from_the_scheduler_start_with_the_preload(tmp_path, how):
+    """``dask scheduler --preload dask_monarch`` (or ``distributed.scheduler.preload`` in Dask config): ``/monarch``
+    answers before any controller attached, saying that no session runs; a controller attaching later shares
+    the same scheduler plugin. Without it the page appears at the first attach (404 before)."""
+    from bokeh.client import pull_session
+
+    args, env = (["--preload", "dask_monarch"], {}) if how == "--preload" else \
+        ([], {"DASK_DISTRIBUTED__SCHEDULER__PRELOAD": '["dask_monarch"]'})
+    proc, address, port = start_scheduler(tmp_path, *args, env=env)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/monarch", timeout=30)
+        assert page.status == 200 and 'href="individual-monarch"' in page.read().decode()
+        with pull_session(url=f"http://127.0.0.1:{port}/monarch") as browser:
+            summary = browser.document.select_one({"name": "monarch-summary"})
+            assert summary.text == NO_SESSION
+        with distributed.Client(address, timeout=30) as client:
+            plugins = client.run_on_scheduler(lambda dask_scheduler: [
+                type(p).__name__ for p in dask_scheduler.plugins.values() if "Monarch" in type(p).__name__])
+            assert plugins == ["MonarchSchedulerPlugin"]
+            from dask_monarch.scheduler import MonarchSchedulerPlugin
+
+            client.register_plugin(MonarchSchedulerPlugin())  # what attach does: keeps the running one
+            assert client.run_on_scheduler(lambda dask_scheduler: len(
+                [p for p in dask_scheduler.plugins.values() if "Monarch" in type(p).__name__])) == 1
+            assert client.sync(client.scheduler.monarch_sessions) == {}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_page_without_the_preload_answers_404_until_a_controller_attaches(tmp_path):
+    proc, address, port = start_scheduler(tmp_path)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/monarch", timeout=30)
+        assert info.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)
