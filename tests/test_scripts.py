@@ -172,3 +172,22 @@ print("session", left_open.session_id)
     ids = session_ids(proc)
     assert len(ids) == 3
     assert ended_here(address, ids) == {sid: {None} for sid in ids}
+
+
+def test_a_program_that_closes_its_client_under_an_open_session_exits_quietly(tmp_path, cli_scheduler):
+    """The program closed its own ``Client`` with a session still open: nothing is left to end at interpreter
+    exit, and nothing is printed about it."""
+    address, _ = cli_scheduler
+    proc = run_script(tmp_path, f"""
+        import torch
+        from distributed import Client
+        import dask_monarch as dm
+
+        client = Client({address!r})
+        mesh = dm.attach(client, dims={{"dp": 2}})
+        with mesh.activate():
+            print(dm.inspect(torch.ones(2).reduce("dp")))
+        client.close()
+    """)
+    assert proc.stdout.splitlines() == ["tensor([2., 2.])"]
+    assert_quiet(proc)

@@ -142,6 +142,13 @@ def _exit_live_meshes() -> None:
     with _live_lock:
         meshes = list(_live.values())
     for mesh in meshes:
+        if getattr(mesh.client, "status", None) in ("closing", "closed"):
+            # the program closed its Client (or cluster) first: the session ended with it, nothing to drain
+            mesh._session.stop()
+            closer = mesh.__dict__.pop("_closer", None)
+            if closer is not None:
+                closer()
+            continue
         try:
             mesh.exit()
         except BaseException as e:
