@@ -7,10 +7,8 @@ several controllers can share a cluster.
 
 from __future__ import annotations
 
-import atexit
 import math
 import sys
-import threading
 import uuid
 
 from distributed import Client
@@ -21,6 +19,7 @@ from ..protocol import Slice
 from ..scheduler import MonarchSchedulerPlugin
 from ..worker import MonarchWorkerPlugin
 from ..worker.device import gpu_of_worker
+from .at_exit import forget, remember
 from .mesh import DeviceMesh
 from .session import Session, _local_ranks
 
@@ -105,55 +104,6 @@ def _check_gpus(client, workers: list, timeout: float) -> None:
             "detected\"): give each rank its own GPU (one Dask worker per GPU, e.g. CUDA_VISIBLE_DEVICES=i or "
             "dask cuda worker), or choose fewer workers (workers=[...])"
         )
-
-
-_live_lock = threading.Lock()
-_live: dict = {}  # id -> owner mesh not yet exited: ended at interpreter exit (a notebook's last cell)
-_atexit_registered = False
-
-
-def _remember(mesh: DeviceMesh) -> None:
-    global _atexit_registered
-    with _live_lock:
-        _live[id(mesh)] = mesh
-        if not _atexit_registered:
-            _at_main_thread_exit(_exit_live_meshes)
-            _atexit_registered = True
-
-
-def _at_main_thread_exit(fn) -> None:
-    """Run ``fn`` when the interpreter exits, before ``concurrent.futures`` stops its thread pools: those hooks
-    (``threading._register_atexit``, run last-registered first, before ``atexit``'s) come first, and Dask's
-    future callbacks, which carry the session's answers, need those pools. ``atexit`` where that is missing."""
-    try:
-        threading._register_atexit(fn)
-    except (AttributeError, RuntimeError):
-        atexit.register(fn)
-
-
-def _forget(mesh: DeviceMesh) -> None:
-    with _live_lock:
-        _live.pop(id(mesh), None)
-
-
-def _exit_live_meshes() -> None:
-    """At interpreter exit, end every session still open (no ``with``, no ``exit()``) as ``mesh.exit()`` does, so
-    it counts as ended, not failed; only a real failure (one nobody fetched) is printed."""
-    with _live_lock:
-        meshes = list(_live.values())
-    for mesh in meshes:
-        if getattr(mesh.client, "status", None) in ("closing", "closed"):
-            # the program closed its Client (or cluster) first: the session ended with it, nothing to drain
-            mesh._session.stop()
-            closer = mesh.__dict__.pop("_closer", None)
-            if closer is not None:
-                closer()
-            continue
-        try:
-            mesh.exit()
-        except BaseException as e:
-            print(f"dask_monarch: session {mesh.session_id} at interpreter exit: {type(e).__name__}: {e}",
-                  file=sys.stderr)
 
 
 def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
@@ -274,11 +224,11 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
 
         def close_mesh():
-            _forget(mesh)
+            forget(mesh)
             close_all()
 
         mesh._closer = close_mesh
-        _remember(mesh)
+        remember(mesh)
         if local is not None:
             print(f"dask_monarch: {len(workers)} workers on this machine; dashboard: {mesh.dashboard_link}",
                   file=sys.stderr, flush=True)
