@@ -6,6 +6,7 @@ real GPUs (one is enough)."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -80,7 +81,7 @@ def test_attach_asks_the_workers_and_cpu_workers_pass(client2):
 def test_gpu_embedded_two_ranks_on_one_visible_gpu_are_refused_at_attach():
     """``CUDA_VISIBLE_DEVICES=0`` and ``dims={"dp": 2}``: refused in attach, before any worker starts."""
     code = "import dask_monarch as dm\ndm.attach(dims={'dp': 2})\n"
-    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "ValueError: 2 ranks but this machine shows 1 GPU (CUDA_VISIBLE_DEVICES=0): ranks 0, 1 on GPU 0" in (
@@ -96,8 +97,9 @@ def test_gpu_workers_that_see_only_one_gpu_are_refused_naming_it():
     from distributed import Client, LocalCluster
 
     uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]  # this process's cuda:0
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=40,
-                      env={"CUDA_VISIBLE_DEVICES": "0"}) as cluster, Client(cluster) as client:
+                      env={"CUDA_VISIBLE_DEVICES": first}) as cluster, Client(cluster) as client:
         with pytest.raises(ValueError, match=r"rank 0 \(.*cuda:0\), rank 1 \(.*cuda:0\) would all use GPU "
                                              + uuid):
             dm.attach(client, dims={"dp": 2})
