@@ -191,3 +191,16 @@ def test_a_program_that_closes_its_client_under_an_open_session_exits_quietly(tm
     """)
     assert proc.stdout.splitlines() == ["tensor([2., 2.])"]
     assert_quiet(proc)
+
+
+def test_embedded_worker_that_cannot_start_fails_attach_within_seconds_naming_it():
+    """A worker process that exits while starting (here: a nanny preload that does not exist, passed down with
+    this process's Dask config) fails ``attach`` at once, not at its ``timeout`` (600 s, beyond pytest's 300 s
+    limit for a test)."""
+    import dask
+
+    import dask_monarch as dm
+
+    with dask.config.set({"distributed.nanny.preload": ["dask_monarch_no_such_module"]}):
+        with pytest.raises(RuntimeError, match=r"worker processes exited before joining \(worker 0: exit code"):
+            dm.attach(dims={"w": 1}, timeout=600)
