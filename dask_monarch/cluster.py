@@ -18,9 +18,9 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
+import warnings
 
 import dask
 import torch
@@ -28,8 +28,8 @@ from distributed import Scheduler, SpecCluster
 from distributed.deploy.subprocess import SubprocessWorker
 from distributed.worker_memory import parse_memory_limit
 
-__all__ = ["WorkerProcess", "dashboard_address", "default_worker_count", "gpu_sharing_error",
-           "start_local_cluster", "visible_gpus", "wait_for_workers"]
+__all__ = ["WorkerProcess", "default_worker_count", "gpu_sharing_error", "start_local_cluster", "visible_gpus",
+           "wait_for_workers"]
 
 logger = logging.getLogger("dask_monarch.cluster")
 
@@ -75,18 +75,6 @@ def gpu_sharing_error(n_workers: int, gpus: list[str]) -> str | None:
     )
 
 
-def dashboard_address(host: str = "127.0.0.1") -> str:
-    """``host:8787`` (Dask's default dashboard port) if that port is free here, else ``host:0`` (a free port;
-    ``mesh.dashboard_link`` says which)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Tornado binds: a closed port in TIME_WAIT is free
-        try:
-            s.bind((host, DASHBOARD_PORT))
-        except OSError:
-            return f"{host}:0"
-    return f"{host}:{DASHBOARD_PORT}"
-
-
 class WorkerProcess(SubprocessWorker):
     """A Dask worker (under its nanny) in a fresh ``python -m dask spec`` process, as Dask's ``SubprocessWorker``
     starts it, plus this process's Dask configuration and the environment changes ``env`` (e.g.
@@ -121,8 +109,8 @@ class WorkerProcess(SubprocessWorker):
 def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
                         dashboard: str | None = None) -> SpecCluster:
     """A cluster of ``n_workers`` single-threaded worker processes on this machine (``WorkerProcess``), with its
-    scheduler in this process listening on 127.0.0.1 and its dashboard on ``dashboard`` (default
-    ``dashboard_address()``: port 8787 if free). With GPUs, worker ``i`` gets ``CUDA_VISIBLE_DEVICES`` rotated to
+    scheduler in this process listening on 127.0.0.1 and its dashboard on ``dashboard`` (default: 127.0.0.1, on
+    Dask's default port 8787, or a free port if that is taken: ``mesh.dashboard_link`` says which). With GPUs, worker ``i`` gets ``CUDA_VISIBLE_DEVICES`` rotated to
     start at GPU ``i`` (as dask-cuda does), so its own GPU is its device 0 and every GPU stays visible. Each
     worker's memory limit is this machine's memory over ``n_workers`` (as ``LocalCluster``'s); ``silence_logs``
     is the level below which Dask's logs are dropped.
@@ -137,7 +125,7 @@ def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
         raise ValueError(problem)
     host = "127.0.0.1"
     scheduler = {"cls": Scheduler, "options": {
-        "host": host, "port": 0, "dashboard": True, "dashboard_address": dashboard or dashboard_address(host),
+        "host": host, "port": 0, "dashboard": True, "dashboard_address": dashboard or f"{host}:{DASHBOARD_PORT}",
     }}
     options = {
         "nthreads": 1, "host": host, "dashboard": True, "dashboard_address": f"{host}:0",
@@ -151,7 +139,11 @@ def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
         workers[i] = {"cls": WorkerProcess, "options": {
             "worker_class": "distributed.Nanny", "worker_kwargs": {**options, "name": i}, "env": env,
         }}
-    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=silence_logs, name="dask_monarch")
+    with warnings.catch_warnings():
+        # with 8787 taken Dask binds a free port and says so in a UserWarning ("Perhaps you already have a cluster
+        # running?"), which reads like a failure; the link printed at attach gives the port
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
+        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=silence_logs, name="dask_monarch")
 
 
 def wait_for_workers(cluster: SpecCluster, client, n: int, timeout: float) -> None:

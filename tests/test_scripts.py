@@ -98,7 +98,8 @@ def test_notebook_style_exit_and_reattach_on_the_embedded_cluster_are_quiet(tmp_
 
 def test_embedded_mesh_has_client_and_dashboard_link_serving_the_page(tmp_path):
     """``mesh.client`` is the embedded cluster's ``Client``; ``mesh.dashboard_link`` is the ``/monarch`` page, on
-    Dask's default port 8787 when it is free; it answers while the session runs."""
+    Dask's default port 8787 when it is free, else on another port without a warning; it answers while the
+    session runs."""
     proc = run_script(tmp_path, """
         import socket, urllib.request
         import distributed
@@ -122,9 +123,13 @@ def test_embedded_mesh_has_client_and_dashboard_link_serving_the_page(tmp_path):
                 assert link == f"http://127.0.0.1:{DASHBOARD_PORT}/monarch", link
             page = urllib.request.urlopen(link, timeout=30)
             print("page", page.status, 'href="individual-monarch"' in page.read().decode())
+            with dm.attach(dims={"w": 1}) as other:   # 8787 is taken now: another port, without a word
+                assert other.dashboard_link != link and other.dashboard_link.endswith("/monarch")
+                print("other page", urllib.request.urlopen(other.dashboard_link, timeout=30).status)
     """)
-    assert "page 200 True" in proc.stdout.splitlines()
+    assert "page 200 True" in proc.stdout.splitlines() and "other page 200" in proc.stdout.splitlines()
     assert_quiet(proc)
+    assert len(re.findall(r"dashboard: http://127\.0\.0\.1:\d+/monarch$", proc.stderr, re.MULTILINE)) == 2
 
 
 # ----------------------------------------------------------------------------------------- an existing cluster
