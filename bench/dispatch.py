@@ -244,6 +244,9 @@ def bench_program(mesh, n: int, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------- (c) digits train step
+LOCAL_STEPS = 100  # case (c)'s local baseline, in the full run and with --quick
+
+
 def bench_train_step(mesh, steps: int, repeats: int) -> dict:
     """One data-parallel step of the example's MLP (forward, backward, ``reduce_`` of the gradients, SGD) under
     ``mesh.activate()``, against the same step in one local process on the global batch."""
@@ -298,12 +301,15 @@ def bench_train_step(mesh, steps: int, repeats: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=ex["MOMENTUM"])
     global_batch = world * batch
     local_rates = []
-    for _ in range(3):
+    # the baseline does not depend on --quick: LOCAL_STEPS steps, best of 3 rounds, after the mesh's 20 warm-up
+    # steps (with --quick's 30 steps and no warm-up, its first rounds timed PyTorch's lazy set-up)
+    for r in range(4):
         t0 = time.perf_counter()
-        for i in range(steps):
+        for i in range(20 if r == 0 else LOCAL_STEPS):
             start = (i * global_batch) % (len(ly) - global_batch)
             step(model, optimizer, lx, ly, slice(start, start + global_batch), False)
-        local_rates.append(steps / (time.perf_counter() - t0))
+        if r:
+            local_rates.append(LOCAL_STEPS / (time.perf_counter() - t0))
     return {"rate": statistics.median(rates), "rates": rates, "loop_ms": statistics.median(loops) * 1e3,
             "local": max(local_rates), "world": world, "batch": batch}
 
@@ -555,7 +561,9 @@ def main(argv=None) -> None:
             ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
              f"{step['rate'] / step['local']:.4f}"),
             ("    controller time per step", f"{step['loop_ms']:>11.2f} ms     (nn.Module + SGD under activate(); "
-             f"global batch {step['world']}x{step['batch']} rows; local: the same step in one process)", "", ""),
+             f"global batch {step['world']}x{step['batch']} rows; local: the same step in one process, "
+             f"{LOCAL_STEPS} steps, best of 3, the same with --quick; mesh: {n_steps} steps, median of {repeats})",
+             "", ""),
             ("(d) torch op (x + x) under activate(), 1 worker", fmt_rate(disp["rate"], "op/s"),
              fmt_rate(disp["local"], "op/s"), f"{disp['rate'] / disp['local']:.4f}"),
             ("    controller time per op", f"{disp['call_us']:>11.0f} us", "", ""),

@@ -31,6 +31,19 @@ from .controller import (
 )
 from .exceptions import RemoteException, SessionError
 
+
+def dask_setup(server) -> None:
+    """Dask's preload hook: ``dask scheduler --preload dask_monarch`` (or Dask config
+    ``distributed.scheduler.preload: [dask_monarch]``) adds dask_monarch's scheduler plugin when the scheduler
+    starts, so its ``/monarch`` dashboard page exists from then on (saying that no session runs yet) instead of
+    from the first ``attach``. On a worker or nanny it does nothing (``attach`` installs the worker plugin)."""
+    from distributed import Scheduler
+
+    if isinstance(server, Scheduler):
+        from .scheduler import MonarchSchedulerPlugin
+
+        server.add_plugin(MonarchSchedulerPlugin(), idempotent=True)
+
 __version__ = "0.1.0"
 
 __all__ = [

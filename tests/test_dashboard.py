@@ -6,6 +6,7 @@ Progress panels group by, the workers' heartbeat metrics and Prometheus metrics,
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
@@ -84,7 +85,7 @@ def test_data_rows_per_session_and_rank():
     assert r["device"] == ["cpu"] * 4
     assert r["received"] == [10] * 4 and r["applied"] == [8] * 4 and r["queued"] == [2] * 4
     assert r["inbox"] == [1] * 4 and r["refs"] == [3] * 4 and r["bytes"] == [2048] * 4
-    assert r["streams"] == ["s0: 2, s1: 0"] * 4
+    assert r["streams"] == ["main: 2, s1: 0"] * 4  # stream 0 is main; an unnamed stream by its id
     assert r["bytes_text"] == ["2.0 KiB"] * 4
     assert r["last_error"] == ["", "", "seq 7: ValueError: boom", ""]
     assert r["state"] == ["running"] * 4
@@ -112,6 +113,21 @@ def test_data_rate_per_rank_from_successive_heartbeats():
     assert repeated["ranks"]["rate"] == [200.0, 400.0]
     gone = data.update({}, {}, now=3.0)  # the session ended: its history goes
     assert gone["rates"]["ys"] == [] and data.current_rate == {}
+
+
+def test_data_names_streams_and_starts_rate_lines_at_the_session_start():
+    """Streams by the names the controller gave them (``Stream("side")``); each rank's rate line begins at its
+    session's start (rate 0), not at the first heartbeat this data source saw."""
+    data = DashboardData()
+    info = {**session({"dp": 1}, ["tcp://w0"], started=0.25), "streams": {"1": "side"}}
+
+    def metrics(t, received):
+        return {"tcp://w0": {"time": t, "sessions": {S1: snap(0, received=received, world=1)}, "closed": {}}}
+
+    data.update({S1: info}, metrics(100.0, 10), now=1.0)
+    view = data.update({S1: info}, metrics(100.5, 60), now=1.5)
+    assert view["ranks"]["streams"] == ["main: 2, side: 0"]
+    assert view["rates"]["xs"] == [[250.0, 1500.0]] and view["rates"]["ys"] == [[0.0, 100.0]]
 
 
 def test_data_failed_rank_gone_worker_and_second_session():
@@ -161,6 +177,17 @@ def test_page_models_show_no_session_then_rows():
     assert list(page.rank_source.data["state"]) == ["running", "worker gone"]
     assert list(page.session_source.data["id"]) == [S1]
     assert page.ranks.height > page.sessions.height  # tables grow with their rows
+
+
+def test_page_columns_keep_widths_that_fit_their_titles():
+    """No header is cut ("inbox batc"): the tables keep their columns' widths (a narrow window scrolls instead of
+    squeezing them), and each is wider than its title at the dashboard's font (under 7 px a character, measured
+    in Chromium; tests/test_dashboard_browser.py measures the rendered page)."""
+    page = MonarchPage(fake_scheduler({}, {}))
+    for table in (page.sessions, page.ranks):
+        assert table.autosize_mode == "none"
+        for col in table.columns:
+            assert col.width >= 7 * len(col.title) + 8, (col.title, col.width)
 
 
 def test_install_page_without_a_dashboard_does_nothing():
@@ -251,3 +278,101 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     prefixes = set(client2.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
     mine = {p for p in prefixes if tag in p}
     assert mine == {f"monarch-messages-{tag}", f"monarch-fetch-{tag}", f"monarch-exit-{tag}"}, prefixes
+
+
+# ------------------------------------------------------------------------------- the page from the scheduler's start
+def start_scheduler(tmp_path, *args: str, env: dict | None = None):
+    """``dask scheduler`` with ``args``; returns the process and its dashboard port (from its scheduler file)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    scheduler_file = tmp_path / "scheduler.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dask", "scheduler", "--port", "0", "--dashboard-address", "127.0.0.1:0",
+         "--scheduler-file", str(scheduler_file), *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    info = wait_until(lambda: scheduler_file.exists() and json.loads(scheduler_file.read_text() or "{}"),
+                      "the scheduler file", timeout=60)
+    return proc, info["address"], info["services"]["dashboard"]
+
+
+@pytest.mark.parametrize("how", ["--preload", "config"])
+def test_page_exists_from_the_scheduler_start_with_the_preload(tmp_path, how):
+    """``dask scheduler --preload dask_monarch`` (or ``distributed.scheduler.preload`` in Dask config): ``/monarch``
+    answers before any controller attached, saying that no session runs; a controller attaching later shares
+    the same scheduler plugin. Without it the page appears at the first attach (404 before)."""
+    from bokeh.client import pull_session
+
+    args, env = (["--preload", "dask_monarch"], {}) if how == "--preload" else \
+        ([], {"DASK_DISTRIBUTED__SCHEDULER__PRELOAD": '["dask_monarch"]'})
+    proc, address, port = start_scheduler(tmp_path, *args, env=env)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/monarch", timeout=30)
+        assert page.status == 200 and 'href="individual-monarch"' in page.read().decode()
+        with pull_session(url=f"http://127.0.0.1:{port}/monarch") as browser:
+            summary = browser.document.select_one({"name": "monarch-summary"})
+            assert summary.text == NO_SESSION
+        with distributed.Client(address, timeout=30) as client:
+            plugins = client.run_on_scheduler(lambda dask_scheduler: [
+                type(p).__name__ for p in dask_scheduler.plugins.values() if "Monarch" in type(p).__name__])
+            assert plugins == ["MonarchSchedulerPlugin"]
+            from dask_monarch.scheduler import MonarchSchedulerPlugin
+
+            client.register_plugin(MonarchSchedulerPlugin())  # what attach does: keeps the running one
+            assert client.run_on_scheduler(lambda dask_scheduler: len(
+                [p for p in dask_scheduler.plugins.values() if "Monarch" in type(p).__name__])) == 1
+            assert client.sync(client.scheduler.monarch_sessions) == {}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_page_without_the_preload_answers_404_until_a_controller_attaches(tmp_path):
+    proc, address, port = start_scheduler(tmp_path)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/monarch", timeout=30)
+        assert info.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_live_stream_names_and_rates_sampled_from_the_session_start_without_a_page(client2):
+    """The scheduler samples the page's data from the plugin's start, page or no page: the rate line of a session
+    goes back to its start; a stream shows by its name (``side``), the default stream as ``main``."""
+    from dask_monarch.dashboard.install import read_scheduler
+
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid = mesh.session_id
+    side = dm.Stream("side")
+    with mesh.activate():
+        x = torch.ones(4)
+        xs, borrow = side.borrow(x)
+        with side.activate():
+            y = xs * 2
+        borrow.drop()
+        for _ in range(30):
+            x = x + 1
+    assert dm.inspect(y).tolist() == [2.0] * 4 and dm.inspect(x).tolist() == [31.0] * 4
+
+    def page_view(dask_scheduler):
+        plugin = dask_scheduler.plugins["dask-monarch"]
+        view = plugin.dashboard.update(*read_scheduler(dask_scheduler), time.time())
+        ranks = [i for i, tag in enumerate(view["ranks"]["session"]) if tag == session_tag(sid)]
+        lines = [i for i, label in enumerate(view["rates"]["label"]) if label.startswith(session_tag(sid))]
+        return {"streams": [view["ranks"]["streams"][i] for i in ranks],
+                "xs": [view["rates"]["xs"][i] for i in lines], "started": plugin.sessions[sid]["started"]}
+
+    def sampled():
+        v = client2.run_on_scheduler(page_view)
+        return v if v["streams"] == ["main: 0, side: 0"] * 2 and all(len(xs) >= 3 for xs in v["xs"]) else None
+
+    try:
+        view = wait_until(sampled, "both ranks' stream names and rate points, with no page open")
+        assert all(xs[0] == view["started"] * 1000.0 for xs in view["xs"]), view
+    finally:
+        mesh.exit()

@@ -64,6 +64,23 @@ for (const column of ['rank', 'worker', 'received', 'applied', 'state']) rows[co
 return JSON.stringify(rows);
 """
 
+# Every table header: its title, the title's rendered width and its column's (pixels).
+HEADERS_JS = """
+const out = [];
+function walk(node) {
+  if (node.shadowRoot) walk(node.shadowRoot);
+  for (const child of node.children || []) {
+    if (child.classList && child.classList.contains('slick-header-column')) {
+      const name = child.querySelector('.slick-column-name') || child;
+      out.push([name.textContent, name.scrollWidth, child.clientWidth]);
+    }
+    walk(child);
+  }
+}
+walk(document.body);
+return JSON.stringify(out);
+"""
+
 
 def add_one(x):
     return x + 1
@@ -115,8 +132,11 @@ def test_monarch_page_shows_live_session_in_chromium(client2, browser):
     mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
     workers = [mesh.workers[r] for r in range(2)]
     try:
+        side = dm.Stream("side")
         with mesh.activate():
             x = dm.remote(torch.zeros)(4)
+            with side.activate():
+                dm.remote(torch.ones)(1)
         dm.inspect(x)  # both ranks have run the session's first messages
 
         browser.get(url)
@@ -142,6 +162,14 @@ def test_monarch_page_shows_live_session_in_chromium(client2, browser):
         # nothing more is sent: the table settles on the new counts and renders them
         wait_for(lambda: page_text_with(browser, *(f"{n:,}" for n in after["received"])),
                  f"the new received counts {after['received']} in the table", browser)
+
+        # streams by their names; no header cut, also in a narrow window (the tables scroll instead)
+        wait_for(lambda: page_text_with(browser, "main: 0, side: 0"), "the streams by name", browser)
+        for width in (1600, 1024):
+            browser.set_window_size(width, 1000)
+            headers = wait_for(lambda: json.loads(browser.execute_script(HEADERS_JS)), "the table headers", browser)
+            cut = [(title, text, column) for title, text, column in headers if text + 4 > column]
+            assert len(headers) >= 20 and not cut, f"headers cut at a {width} px window: {cut}"
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.set_window_size(1600, 1000)

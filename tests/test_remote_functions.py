@@ -197,3 +197,42 @@ def test_cached_remote_aliases(mesh2x2):
     assert hits >= 1
     assert torch.all(lx[4:8] == 0)
     assert torch.equal(l2, lx[8:12])
+
+
+# ------------------------------------------------------------------------- the worker's mesh, the user's file
+def shard_of(x, mesh):
+    """As the README shows: a function that reads its rank and size from the mesh the worker gives it."""
+    rank, size = mesh.dims["gpu"].rank, mesh.dims["gpu"].size
+    return x[rank::size] * (1 + mesh.dims["host"].rank)
+
+
+def test_default_propagation_runs_the_function_with_the_mesh_as_the_workers_see_it(mesh2x2):
+    """No ``propagate=``: the controller learns the shapes by running the function with the worker-side mesh of
+    the mesh's first rank (``mesh.dims[...]``), as Monarch runs it on shard 0; every rank computes its own."""
+    assert mesh2x2.seen_from().dims["gpu"].rank == 0 and mesh2x2.seen_from(3).dims["host"].rank == 1
+    with mesh2x2.activate():
+        x = torch.arange(6.0)
+        part = dm.remote(shard_of)(x, mesh2x2)
+    assert part.shape == (3,)
+    assert fetch(part, host=0, gpu=0).tolist() == [0.0, 2.0, 4.0]
+    assert fetch(part, host=1, gpu=1).tolist() == [2.0, 6.0, 10.0]
+
+
+def fails_on_worker(x):
+    raise RuntimeError("raised in the user's file")  # the line the remote traceback must name
+
+
+def test_remote_traceback_names_the_users_file_and_line(mesh2x2):
+    """A function sent by value (a test module's, like ``__main__``'s) fails on the workers: the traceback names
+    this file and the line of the ``raise``, not cloudpickle's ``<dynamic-code>``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fails_on_worker)
+    line = first + next(i for i, text in enumerate(lines) if text.strip().startswith("raise"))
+    with mesh2x2.activate():
+        y = dm.remote(fails_on_worker, propagate=lambda x: torch.empty_like(x))(torch.ones(2))
+    with pytest.raises(dm.RemoteException) as info:
+        fetch(y)
+    assert f'File "{__file__}", line {line}, in fails_on_worker' in info.value.backtrace, info.value.backtrace
+    assert "<dynamic-code>" not in info.value.backtrace
+    assert lines[line - first].strip() in info.value.backtrace  # the source line too (the worker reads the file)

@@ -8,17 +8,20 @@ several controllers can share a cluster.
 from __future__ import annotations
 
 import math
+import sys
 import uuid
 
 from distributed import Client
 from distributed.comm import get_address_host_port
 
-from ..cluster import default_worker_count, start_local_cluster
+from ..cluster import default_worker_count, start_local_cluster, wait_for_workers
 from ..protocol import Slice
 from ..scheduler import MonarchSchedulerPlugin
 from ..worker import MonarchWorkerPlugin
+from ..worker.device import gpu_of_worker
+from .at_exit import forget, remember
 from .mesh import DeviceMesh
-from .session import Session
+from .session import Session, _local_ranks
 
 __all__ = ["attach"]
 
@@ -72,13 +75,46 @@ def _check_workers(workers) -> list:
     return workers
 
 
+def shared_gpus(devices: list, workers: list) -> str:
+    """Which ranks would share a GPU, as text ('' if none): ``devices`` has, per rank, the GPU its tensor worker
+    would take (``worker.device.gpu_identity``: ``{"uuid", "name", "index"}``) or None for a CPU worker."""
+    by_gpu: dict = {}
+    for rank, device in enumerate(devices):
+        if device:
+            by_gpu.setdefault(device["uuid"], []).append(rank)
+    shared = []
+    for uuid_, ranks in by_gpu.items():
+        if len(ranks) > 1:
+            d = devices[ranks[0]]
+            where = ", ".join(f"rank {r} ({workers[r]}, cuda:{devices[r]['index']})" for r in ranks)
+            shared.append(f"{where} would all use GPU {uuid_} ({d['name']})")
+    return "; ".join(shared)
+
+
+def _check_gpus(client, workers: list, timeout: float) -> None:
+    """Refuse ranks that would share a GPU under NCCL ("Duplicate GPU detected" after the workers started), asking
+    each worker which GPU its rank would take (bounded by ``timeout``)."""
+    local = dict(zip(workers, _local_ranks(workers)))
+    answers = client.run(gpu_of_worker, local, workers=list(workers), on_error="return", callback_timeout=timeout)
+    devices = [answers.get(w) if isinstance(answers.get(w), dict) else None for w in workers]
+    problem = shared_gpus(devices, workers)
+    if problem:
+        raise ValueError(
+            f"workers: {problem}. NCCL refuses two ranks of one communicator on one GPU (\"Duplicate GPU "
+            "detected\"): give each rank its own GPU (one Dask worker per GPU, e.g. CUDA_VISIBLE_DEVICES=i or "
+            "dask cuda worker), or choose fewer workers (workers=[...])"
+        )
+
+
 def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
            **session_options) -> DeviceMesh:
     """Attach this program (the controller) to a Dask cluster and return its ``DeviceMesh``.
 
     ``cluster``: a ``distributed.Client``, a scheduler address (``"tcp://host:8786"``), a cluster object with
-    ``scheduler_address``, or ``None`` for the embedded default (a ``LocalCluster``: one worker process per
-    GPU, else one per CPU core, or ``prod(dims)`` workers; stopped by ``mesh.exit()``).
+    ``scheduler_address``, or ``None`` for the embedded default (``dask_monarch.cluster``: a scheduler in this
+    process with its dashboard on port 8787 if free, and one worker process per GPU, else one per CPU core, or
+    ``prod(dims)`` workers, which never import this program's ``__main__``, so a script needs no main guard;
+    the ``/monarch`` page's link is printed once, to stderr; stopped by ``mesh.exit()``).
     ``dims``: ordered mapping of dimension names to sizes whose product is the number of workers used
     (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
     worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
@@ -86,8 +122,13 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     waiting for enough workers. Other keyword arguments go to ``Session``, e.g. ``heartbeat_timeout`` (seconds,
     default 30): a mesh worker silent that long (stopped, hung) fails the session, naming it.
 
-    Raises ``ValueError``/``TypeError`` for bad ``dims``/``workers``/timeouts (naming them), ``TimeoutError`` if
-    too few workers join in time, and ``RuntimeError`` if the scheduler cannot import dask_monarch.
+    A session still open when the interpreter exits (no ``with``, no ``exit()``: a notebook's last cell) is ended
+    then as ``mesh.exit()`` ends it.
+
+    Raises ``ValueError``/``TypeError`` for bad ``dims``/``workers``/timeouts (naming them), ``ValueError`` before
+    starting anything when two ranks would share a GPU (NCCL refuses that; the text names the ranks and the GPU),
+    ``TimeoutError`` if too few workers join in time, and ``RuntimeError`` if the scheduler cannot import
+    dask_monarch or an embedded worker process exits while starting.
     """
     names = sizes = None
     if dims is not None:
@@ -102,8 +143,10 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
 
     closers = []
     owns_client = False
+    local = None
     if cluster is None:
-        local = start_local_cluster(want or default_worker_count())
+        want = want or default_worker_count()
+        local = start_local_cluster(want)  # refuses more ranks than GPUs before starting anything
         closers.append(local.close)
         client = Client(local, set_as_default=False)
         owns_client = True
@@ -137,7 +180,9 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             ) from None
         client.register_plugin(MonarchWorkerPlugin())
         if workers is None:
-            if want:
+            if local is not None:
+                wait_for_workers(local, client, want, timeout)
+            elif want:
                 try:
                     client.wait_for_workers(want, timeout=timeout)
                 except TimeoutError:
@@ -159,6 +204,8 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 raise ValueError(f"workers: duplicate addresses in {workers}")
         if names is None:
             names, sizes = ["workers"], [len(workers)]
+        if local is None:
+            _check_gpus(client, workers, timeout)
         # the scheduler knows the session before any of its messages leaves: if this controller vanishes or
         # attach fails from here on, ending it there ends it on the workers too
         session_id = uuid.uuid4().hex
@@ -175,7 +222,16 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
         session.pin_workers()
         closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
-        mesh._closer = close_all
+
+        def close_mesh():
+            forget(mesh)
+            close_all()
+
+        mesh._closer = close_mesh
+        remember(mesh)
+        if local is not None:
+            print(f"dask_monarch: {len(workers)} workers on this machine; dashboard: {mesh.dashboard_link}",
+                  file=sys.stderr, flush=True)
         return mesh
     except BaseException:
         close_all()

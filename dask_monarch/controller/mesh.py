@@ -81,9 +81,38 @@ class DeviceMesh:
         return self._session.id
 
     @property
+    def client(self):
+        """The ``distributed.Client`` of this mesh's session (the embedded cluster's, or the one given to
+        ``attach``), for ordinary Dask work beside the mesh."""
+        return self._session.client
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The URL of the ``/monarch`` page on the scheduler's dashboard (Dask's ``client.dashboard_link``, whose
+        page is ``/status``, with the last path part replaced), or None if the scheduler has no dashboard."""
+        try:
+            link = self._session.client.dashboard_link
+        except (KeyError, AttributeError, TypeError):
+            return None
+        if not link:
+            return None
+        return link.rsplit("/", 1)[0] + "/monarch"
+
+    @property
     def workers(self) -> dict:
         """Dask worker address of every rank of this mesh, by global rank."""
         return {r: self._session.workers[r] for r in self._rank_list}
+
+    def seen_from(self, rank: int | None = None):
+        """This mesh as a remote function receives it on global rank ``rank`` (default: the mesh's first): the
+        worker's ``DeviceMesh`` (``worker/device_mesh.py``: ``dims[name].rank / .size / .members``). Raises
+        ``ValueError`` if ``rank`` is not in the mesh."""
+        from ..worker.device_mesh import DeviceMesh as WorkerMesh, MeshError
+
+        try:
+            return WorkerMesh(self.names, self.processes, self._rank_list[0] if rank is None else rank)
+        except MeshError as e:
+            raise ValueError(str(e)) from None
 
     # ----------------------------------------------------------------------------------------------- sub-meshes
     def slice(self, **selection) -> "DeviceMesh":

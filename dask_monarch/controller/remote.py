@@ -9,13 +9,17 @@ storage is sent in ``mutates``. Each call is one ``CallFunction``.
 from __future__ import annotations
 
 import functools
+import io
+import marshal
 import sys
 import threading
+import types
+from collections import ChainMap
 
 import cloudpickle
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
@@ -65,6 +69,27 @@ def _importable_path(fn) -> str | None:
 _BY_VALUE_LOCK = threading.Lock()
 
 
+def _code_reduce(code: types.CodeType):
+    """A code object, with its file name (cloudpickle writes ``"<dynamic-code>"``, so remote tracebacks named no
+    file): ``marshal`` keeps every field, nested functions' code included. Controller and workers run the same
+    Python version, as code travelling by value needs anyway."""
+    return marshal.loads, (marshal.dumps(code),)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, keeping the source file of functions sent by value (``_code_reduce``)."""
+
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps_by_value(fn) -> bytes:
+    """``cloudpickle.dumps(fn)``, with ``fn``'s (and the functions it uses') file names kept, so that a traceback
+    on a worker names the user's file and line."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=5).dump(fn)
+    return buffer.getvalue()
+
+
 def function_of(fn):
     """The ``ResolvableFunction`` for ``fn``: an ``OpOverload`` or dotted string -> ``FunctionPath``; an importable
     function -> its path; anything else (lambdas, closures, ``__main__``, functions of pytest modules, which the
@@ -88,10 +113,10 @@ def function_of(fn):
         with _BY_VALUE_LOCK:  # cloudpickle's registry is process-wide: controllers in other threads share it
             cloudpickle.register_pickle_by_value(module)
             try:
-                return Cloudpickle(cloudpickle.dumps(fn))
+                return Cloudpickle(dumps_by_value(fn))
             finally:
                 cloudpickle.unregister_pickle_by_value(module)
-    return Cloudpickle(cloudpickle.dumps(fn))
+    return Cloudpickle(dumps_by_value(fn))
 
 
 def pack_leaves(leaves: list, where: str) -> list | None:
@@ -107,6 +132,10 @@ def pack_leaves(leaves: list, where: str) -> list | None:
         with propagating():  # pickling a local value (a local tensor, say) is local work, not mesh ops
             packed[i] = PickledValue.of(x, where)
     return packed
+
+
+def _worker_view(x):
+    return x.seen_from() if isinstance(x, DeviceMesh) else x
 
 
 class Remote:
@@ -137,9 +166,11 @@ class Remote:
         if self._propagate == "inspect":
             return None
         if callable(self._propagate):
-            fn = self._propagate
-        else:
-            fn = resolve_path(self._fn) if isinstance(self._fn, str) else self._fn
+            return self._propagate(*args, **kwargs)
+        fn = resolve_path(self._fn) if isinstance(self._fn, str) else self._fn
+        # the function itself, which on the workers gets their DeviceMesh (mesh.dims["dp"].rank): here it gets
+        # that mesh as the first rank sees it (Monarch learns shapes by running it on shard 0)
+        args, kwargs = tree_map(_worker_view, (args, kwargs))
         return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -281,9 +312,11 @@ def remote(fn=None, *, propagate=None):
     """Make ``fn`` callable on a mesh (Monarch's ``remote``). Usable as ``remote(fn)``, ``remote("pkg.mod.fn")``,
     ``remote(torch.ops.aten.add.Tensor)`` or as a decorator ``@remote(propagate=...)``.
 
-    ``propagate``: None runs ``fn`` itself on fake tensors to learn output shapes; a callable is run instead
-    (it must return fake tensors of the output shapes, e.g. with ``torch.empty``); ``"inspect"`` means no
-    tensor outputs.
+    ``propagate``: None runs ``fn`` itself on fake tensors to learn output shapes, with each ``DeviceMesh``
+    argument as the workers get it, seen from the mesh's first rank (``mesh.dims["dp"].rank`` is 0); a callable
+    is run instead, with the same arguments (meshes as the controller's ``DeviceMesh``: ``mesh.size("dp")``), and
+    must return fake tensors of the output shapes, e.g. with ``torch.empty``; ``"inspect"`` means no tensor
+    outputs (the function returns nothing, or values the controller does not need).
     """
     if fn is None:
         return lambda f: remote(f, propagate=propagate)

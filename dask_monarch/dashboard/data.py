@@ -58,20 +58,22 @@ def mesh_coords(dims: dict, rank: int) -> str:
 
 
 class DashboardData:
-    """Rows of the page, and a messages-per-second history per (session, rank) of ``history`` points.
+    """Rows of the page, and a messages-per-second history per (session, rank) of ``history`` points (a point per
+    heartbeat: 5 minutes at Dask's 0.5 s for small clusters).
 
     A rank's rate is the growth of its ``received`` counter between two heartbeats, over the worker's own clock;
     a point is added when a new heartbeat arrives (a repeated snapshot adds nothing).
     """
 
-    def __init__(self, history: int = 120):
+    def __init__(self, history: int = 600):
         self.history = history
         self._last: dict[tuple, tuple[float, int]] = {}  # (session, rank) -> (worker time, received)
         self._rates: dict[tuple, deque] = {}  # (session, rank) -> deque of (scheduler time, rate)
         self.current_rate: dict[tuple, float] = {}
 
     def update(self, sessions: dict, metrics: dict, now: float) -> dict:
-        """``sessions``: session id -> ``{"client", "dims", "workers", "started"}`` (the scheduler plugin's table);
+        """``sessions``: session id -> ``{"client", "dims", "workers", "started", "streams"}`` (the scheduler plugin's
+        table; ``streams`` maps stream ids to their names, the default stream 0 being ``main``);
         ``metrics``: worker address -> that worker's ``metrics["monarch"]`` (or None); ``now``: scheduler time.
 
         Returns ``{"running": bool, "summary": str, "sessions": columns, "ranks": columns, "rates": columns}``;
@@ -84,6 +86,7 @@ class DashboardData:
             tag = session_tag(session_id)
             dims = dict(info.get("dims") or {})
             workers = list(info.get("workers") or [])
+            stream_names = {"0": "main", **{str(k): v for k, v in (info.get("streams") or {}).items()}}
             failed_ranks = []
             for rank, address in enumerate(workers):
                 worker = metrics.get(address) or {}
@@ -91,7 +94,7 @@ class DashboardData:
                 closed = worker.get("closed") or {}
                 key = (session_id, rank)
                 live.add(key)
-                rate = self._rate(key, worker.get("time"), snap, now)
+                rate = self._rate(key, worker.get("time"), snap, now, info.get("started"))
                 rank_rows["session"].append(tag)
                 rank_rows["rank"].append(rank)
                 rank_rows["coords"].append(mesh_coords(dims, rank) if dims else "")
@@ -102,10 +105,10 @@ class DashboardData:
                     for column in ("received", "applied", "queued", "refs", "bytes"):
                         rank_rows[column].append(snap[column])
                     rank_rows["inbox"].append(snap["inbox_batches"])
-                    rank_rows["streams"].append(
-                        ", ".join(f"s{sid}: {s['queued']}" for sid, s in sorted(snap["streams"].items(),
-                                                                              key=lambda kv: int(kv[0])))
-                    )
+                    rank_rows["streams"].append(", ".join(
+                        f"{stream_names.get(str(sid)) or f's{sid}'}: {s['queued']}"
+                        for sid, s in sorted(snap["streams"].items(), key=lambda kv: int(kv[0]))
+                    ))
                     rank_rows["bytes_text"].append(format_bytes(snap["bytes"]))
                     error = snap.get("last_error")
                     if snap.get("failure"):
@@ -166,14 +169,15 @@ class DashboardData:
             "rates": self._rate_lines(rank_rows),
         }
 
-    def _rate(self, key: tuple, worker_time, snap, now: float) -> float:
+    def _rate(self, key: tuple, worker_time, snap, now: float, started=None) -> float:
         if snap is None or worker_time is None:
             return self.current_rate.get(key, 0.0)
         received = int(snap["received"])
         last = self._last.get(key)
         if last is None:
             self._last[key] = (worker_time, received)
-            self._rates[key] = deque(maxlen=self.history)
+            # the line starts at the session's start (scheduler time), not when it was first seen here
+            self._rates[key] = deque([(started, 0.0)] if started and started < now else [], maxlen=self.history)
             self.current_rate[key] = 0.0
             return 0.0
         if worker_time <= last[0]:

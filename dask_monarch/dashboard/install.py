@@ -11,15 +11,51 @@ These are internals of distributed: CI tests them (tests/test_dashboard.py, test
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
-__all__ = ["PAGE_PATHS", "install_page", "uninstall_page"]
+__all__ = ["PAGE_PATHS", "SAMPLE_MS", "install_page", "read_scheduler", "start_sampling", "uninstall_page"]
 
 logger = logging.getLogger("dask_monarch.dashboard")
 
 PAGE_PATHS = ("/monarch", "/individual-monarch")
 _MENU_ENTRY = {"url": "individual-monarch", "name": "Monarch"}
 _installed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # scheduler -> its page's Bokeh app
+#: how often the scheduler samples the page's data (milliseconds), page or no page: a rank's rate line starts at
+#: its session's start, not when someone opened the page
+SAMPLE_MS = 500
+
+
+def read_scheduler(scheduler) -> tuple[dict, dict]:
+    """``(sessions, metrics)`` for ``DashboardData.update``: the scheduler plugin's session table and each
+    worker's ``metrics["monarch"]`` from its last heartbeat."""
+    from ..scheduler.plugin import PLUGIN_NAME
+    from ..worker.plugin import METRICS_KEY
+
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    sessions = dict(getattr(plugin, "sessions", None) or {})
+    metrics = {address: (ws.metrics or {}).get(METRICS_KEY) for address, ws in list(scheduler.workers.items())}
+    return sessions, metrics
+
+
+def start_sampling(scheduler):
+    """Keep the page's data (a ``DashboardData`` that every page of ``scheduler`` shares) up to date every
+    ``SAMPLE_MS``; returns ``(data, periodic callback)``. Call it on the scheduler's event loop."""
+    from tornado.ioloop import PeriodicCallback
+
+    from .data import DashboardData
+
+    data = DashboardData()
+
+    def sample():
+        try:
+            data.update(*read_scheduler(scheduler), time.time())
+        except Exception:
+            logger.debug("dask_monarch dashboard: sampling failed", exc_info=True)
+
+    sampler = PeriodicCallback(sample, SAMPLE_MS)
+    sampler.start()
+    return data, sampler
 
 
 def _dashboard_app(scheduler):

@@ -14,6 +14,7 @@ from bokeh.models import ColumnDataSource, CustomJS, DataTable, Div, NumberForma
 from bokeh.plotting import figure
 
 from .data import NO_SESSION, RANK_COLUMNS, RATE_COLUMNS, SESSION_COLUMNS, DashboardData
+from .install import read_scheduler
 
 __all__ = ["MonarchPage", "monarch_doc", "UPDATE_MS"]
 
@@ -21,27 +22,26 @@ logger = logging.getLogger("dask_monarch.dashboard")
 
 UPDATE_MS = 500
 _ROW = 28
+# room for the horizontal scrollbar a narrow window shows: columns keep their widths (autosize_mode="none"), so
+# that no header is cut ("inbox batc"), and scroll instead
+_SCROLLBAR = 18
 
 
-def _plugin_sessions(scheduler) -> dict:
+def _shared_data(scheduler) -> DashboardData:
+    """The data the scheduler plugin samples from its start (``install.start_sampling``), else a new one."""
     from ..scheduler.plugin import PLUGIN_NAME
 
-    plugin = scheduler.plugins.get(PLUGIN_NAME)
-    return dict(getattr(plugin, "sessions", None) or {})
-
-
-def _worker_metrics(scheduler) -> dict:
-    from ..worker.plugin import METRICS_KEY
-
-    return {address: (ws.metrics or {}).get(METRICS_KEY) for address, ws in list(scheduler.workers.items())}
+    data = getattr(scheduler.plugins.get(PLUGIN_NAME), "dashboard", None)
+    return data if isinstance(data, DashboardData) else DashboardData()
 
 
 class MonarchPage:
-    """The page's Bokeh models (``root``) and ``update()``, reading ``scheduler`` (the Dask scheduler)."""
+    """The page's Bokeh models (``root``) and ``update()``, reading ``scheduler`` (the Dask scheduler); ``data``
+    defaults to the scheduler plugin's, shared by every page (its rate lines go back to each session's start)."""
 
     def __init__(self, scheduler, data: DashboardData | None = None):
         self.scheduler = scheduler
-        self.data = data or DashboardData()
+        self.data = data or _shared_data(scheduler)
         self.title = Div(text="<h2>dask_monarch</h2>", name="monarch-title")
         self.summary = Div(text=NO_SESSION, name="monarch-summary", sizing_mode="stretch_width")
         self.session_source = ColumnDataSource({c: [] for c in SESSION_COLUMNS}, name="monarch-sessions-source")
@@ -50,11 +50,11 @@ class MonarchPage:
         count = NumberFormatter(format="0,0")
         self.sessions = DataTable(
             source=self.session_source, name="monarch-sessions", sizing_mode="stretch_width", height=2 * _ROW,
-            index_position=None,
+            index_position=None, autosize_mode="none",
             columns=[
                 TableColumn(field="session", title="session", width=90),
                 TableColumn(field="id", title="id", width=250),
-                TableColumn(field="controller", title="controller (client)", width=250),
+                TableColumn(field="controller", title="controller (client)", width=330),
                 TableColumn(field="mesh", title="mesh", width=140),
                 TableColumn(field="shape", title="shape", width=70),
                 TableColumn(field="ranks", title="ranks", width=50),
@@ -64,7 +64,7 @@ class MonarchPage:
         )
         self.ranks = DataTable(
             source=self.rank_source, name="monarch-ranks", sizing_mode="stretch_width", height=2 * _ROW,
-            index_position=None,
+            index_position=None, autosize_mode="none",
             columns=[
                 TableColumn(field="session", title="session", width=80),
                 TableColumn(field="rank", title="rank", width=40),
@@ -74,9 +74,9 @@ class MonarchPage:
                 TableColumn(field="received", title="received", formatter=count, width=80),
                 TableColumn(field="applied", title="applied", formatter=count, width=80),
                 TableColumn(field="queued", title="queued", formatter=count, width=60),
-                TableColumn(field="inbox", title="inbox batches", width=60),
-                TableColumn(field="streams", title="stream backlog", width=100),
-                TableColumn(field="refs", title="live refs", formatter=count, width=60),
+                TableColumn(field="inbox", title="inbox batches", width=110),
+                TableColumn(field="streams", title="stream backlog", width=140),
+                TableColumn(field="refs", title="live refs", formatter=count, width=72),
                 TableColumn(field="bytes_text", title="bytes held", width=80),
                 TableColumn(field="rate", title="msgs/s", formatter=NumberFormatter(format="0,0.0"), width=70),
                 TableColumn(field="state", title="state", width=70),
@@ -103,7 +103,7 @@ class MonarchPage:
 
     def update(self) -> None:
         try:
-            view = self.data.update(_plugin_sessions(self.scheduler), _worker_metrics(self.scheduler), time.time())
+            view = self.data.update(*read_scheduler(self.scheduler), time.time())
         except Exception:
             logger.exception("dask_monarch dashboard: could not read the sessions")
             return
@@ -119,7 +119,7 @@ class MonarchPage:
                                        (self.rank_source, self.ranks, view["ranks"])):
             if dict(source.data) != columns:
                 source.data = columns
-            height = _ROW * (1 + max(1, len(next(iter(columns.values()), []))))
+            height = _ROW * (1 + max(1, len(next(iter(columns.values()), [])))) + _SCROLLBAR
             if table.height != height:
                 table.height = height
         if dict(self.rate_source.data) != view["rates"]:

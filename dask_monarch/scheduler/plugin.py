@@ -37,6 +37,9 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         self.kv: KeyValueStore | None = None
         self.sessions: dict[str, dict] = {}
         self.scheduler = None
+        #: the ``/monarch`` page's rows and rate history, sampled from the plugin's start (every page shares it)
+        self.dashboard = None
+        self._sampler = None
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
@@ -53,18 +56,22 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 "monarch_kv_num_keys": self.kv_num_keys,
                 "monarch_session_open": self.session_open,
                 "monarch_session_close": self.session_close,
+                "monarch_session_stream": self.session_stream,
                 "monarch_sessions": self.list_sessions,
                 "monarch_worker_ages": self.worker_ages,
             }
         )
         try:
-            from ..dashboard import install_page
+            from ..dashboard import install_page, start_sampling
 
-            install_page(scheduler)
+            if install_page(scheduler):
+                self.dashboard, self._sampler = start_sampling(scheduler)
         except Exception:  # the page is a convenience: never keep the rendezvous store from starting
             logger.warning("dask_monarch: could not add the /monarch dashboard page", exc_info=True)
 
     async def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
         if self.scheduler is not None:
             from ..dashboard import uninstall_page
 
@@ -104,6 +111,12 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
             "workers": list(workers),
             "started": time.time(),
         }
+
+    def session_stream(self, session_id: str, stream: int, name: str) -> None:
+        """Name stream ``stream`` of a session, for the dashboard (stream 0 is ``main``)."""
+        info = self.sessions.get(session_id)
+        if info is not None:
+            info.setdefault("streams", {})[str(stream)] = str(name)
 
     async def session_close(self, session_id: str, reason: str | None = None) -> int:
         """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank
