@@ -34,7 +34,6 @@ from dask_monarch.protocol import (
 from rawmsg import (
     ADD,
     ADD_,
-    FULL,
     MUL,
     ST0,
     ST1,
@@ -471,3 +470,32 @@ def test_missing_capture_is_a_value_error_of_the_call(session):
     (report,) = failures(session)
     assert report.seq == seq
     assert fetch(session, [actual])[0].tolist() == [1.0]  # the session lives on
+
+
+def test_failure_inside_a_run_of_fast_steps_names_its_operation(session):
+    """Consecutive simple ops replay as one compiled block (worker/blocks.py): a failure in the middle is reported
+    for that operation, the ops after it are skipped, and the next replay with good inputs works."""
+    rec, x, a, b, c = refs(session, 5)
+    y = tensor_ref(session, [1.0, 2.0])
+    define(session, rec, [
+        RecordingFormal(x, 0, ST1),
+        call_message(session, ADD, (x, x), [a], seq=0),
+        call_message(session, MUL, (a, y), [b], seq=1),
+        DeleteRefs([a]),
+        call_message(session, ADD, (b, 1), [c], seq=2),
+        RecordingResult(c, 0, ST1),
+    ], nresults=1, nformals=1)
+    bad = tensor_ref(session, [1.0, 2.0, 3.0])
+    (out,) = refs(session, 1)
+    session.send(CallRecording(session.new_seq(), rec, [out], [bad]))
+    (res,) = get_refs(session, (out, ST1))
+    (report,) = failures(session)
+    assert report.controller_frame_index == 1
+    assert "operation 1 (<function \"torch.ops.aten.mul.Tensor\">)" in report.error.backtrace
+    assert "must match the size" in res.error
+    good = tensor_ref(session, [1.0, 1.0])
+    (out2,) = refs(session, 1)
+    session.send(CallRecording(session.new_seq(), rec, [out2], [good]))
+    assert fetch(session, [out2])[0].tolist() == [3.0, 5.0]
+    leftovers = get_refs(session, (a, ST1), (b, ST1), (c, ST1), (x, ST1))
+    assert not any(reply.present for reply in leftovers)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .errors import FatalError, SeqError, ValueFailure
-from .replay import BorrowStep, Call, Formal, Result
+from .steps import BorrowStep, Call, Formal, Result
 
 __all__ = ["replay_graph"]
 

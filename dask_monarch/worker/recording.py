@@ -47,7 +47,8 @@ from ..protocol import (
 from .borrow import Borrow
 from .errors import FatalError, NotImplementedYet, SeqError
 from .graphs import replay_graph
-from .replay import BorrowStep, Call, Delete, Formal, Program, ReduceStep, Result, replay
+from .replay import Program, replay
+from .steps import BorrowStep, Call, Delete, Formal, ReduceStep, Result
 
 __all__ = ["Definitions", "Recording", "ReplayCall"]
 
