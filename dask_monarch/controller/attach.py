@@ -172,7 +172,6 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
         ))
         session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
-        session.pin_workers()
         closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
         mesh._closer = close_all
