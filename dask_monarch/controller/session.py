@@ -812,11 +812,16 @@ class Session:
 
     # ------------------------------------------------------------------------------------------------- exit
     def stop(self) -> None:
-        """Close the session on the controller only: later use raises, the flusher thread ends, nothing more
-        is sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
+        """Close the session on the controller only: later use raises, the flusher and answers threads end, its
+        tasks still pending are cancelled and the finished ones released (the workers keep a task's result while
+        the controller holds its future), nothing more is sent (``close`` drains the workers first; attach uses
+        this alone when it fails half-way)."""
         self.closed = True
         self._wake.set()
         self._answers.stop()
+        with self.lock:
+            for inflight in self._inflight:
+                inflight.clear()
         with self._release_lock:
             if not self._released:
                 self._released = True
@@ -824,7 +829,8 @@ class Session:
 
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
-        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
+        and stop the flusher. Raises the failure nobody fetched with the smallest seq (``RemoteException``; its
+        ``others`` and message list the other unfetched ones, spec §3 "Controller"), the ``SessionError``
         if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
         included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
         with self._close_lock:  # a second exit (another thread) waits for the first, then returns
@@ -850,4 +856,7 @@ class Session:
             unconsumed = list(self.history.unconsumed.values())
             self.history.unconsumed.clear()
         if unconsumed:
-            raise unconsumed[0]
+            first, *others = sorted(unconsumed, key=lambda e: e.seq)
+            if not others:
+                raise first
+            raise RemoteException(first.seq, first.rank, first.worker, first.backtrace, first.function, others)
