@@ -105,11 +105,15 @@ class Answers:
 
     # ------------------------------------------------------------------------------------------ results
     def result(self, future):
-        """The result of finished ``future``, gathered on the client's event loop. Raises the task's error,
-        ``CancelledError``, or ``AnswerLost`` once the result is lost (its worker died before the controller
+        """The result of done ``future``, gathered on the client's event loop. Raises the task's error,
+        ``CancelledError``, or ``AnswerLost`` if the result is or becomes lost (its worker died before the controller
         collected it; the future is then cancelled, so that the scheduler forgets the key instead of waiting
         for the dead worker) or the session has failed or stopped meanwhile."""
         client = self._client
+        status = future.status
+        if status != "finished":  # lost since it finished (its worker died), or never finished
+            future.cancel()
+            raise AnswerLost(f"Dask future status {status!r}")
 
         async def gather():
             return (await client.gather([future], asynchronous=True))[0]
@@ -120,13 +124,14 @@ class Answers:
                 return pending.result(timeout=self.SLICE)
             except concurrent.futures.TimeoutError:
                 pass
-            lost = future.status != "finished"
+            status = future.status
+            lost = status != "finished"
             if lost or self._stopped.is_set() or self._session.failure is not None:
                 # the gather itself is left to end on its own: it may share one request with other gathers of
                 # this client (Client._gather coalesces them), which cancelling it would fail too
                 if lost:
                     future.cancel()  # ends the gather's wait for a recompute that never comes
-                raise AnswerLost(f"status {future.status}" if lost else "the session ended")
+                raise AnswerLost(f"Dask future status {status!r}" if lost else "the session ended")
 
     def exception(self, future) -> BaseException:
         """The error of errored ``future`` (already on the controller: no wait on a worker)."""

@@ -666,10 +666,10 @@ class Session:
         if fut.status == "cancelled":
             self._fail(SessionError(
                 f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
-                "cancelled (the cluster was restarted, or the task was released)"
+                f"cancelled (the cluster was restarted, or the task was released){self._meanwhile()}"
             ))
             return
-        if fut.status != "finished":
+        if fut.status == "error":
             exc = self._answers.exception(fut)
             self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
             return
