@@ -691,7 +691,7 @@ class Session:
         if self.failure is None and failed:
             # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
             # worker that left or went silent, if the scheduler knows one
-            note = self._meanwhile(failed[0].error.backtrace)
+            note = self._departed(failed[0].error.backtrace)
         with self.lock:
             if chunk is None:  # the session had already ended on that worker
                 for msg in messages:
@@ -711,12 +711,17 @@ class Session:
     #: seconds a failure in a collective waits for the scheduler to notice the peer it lost (see ``_meanwhile``)
     PEER_GRACE = 3.0
 
-    def _meanwhile(self, failure: str = "") -> str:
-        """``"\n(meanwhile: ...)"`` naming the ranks whose worker left, is shutting down, restarted or went silent,
-        as the scheduler sees it, or ``""``. When ``failure`` (a rank's error) is a failed collective, whose text
-        names only a socket ("Connection closed by peer [127.0.0.1]:44187"), the scheduler is asked again for up
-        to ``PEER_GRACE`` seconds: the surviving rank may report the loss before the scheduler has seen its
-        peer go. Each question is bounded by ``PROBE_TIMEOUT``."""
+    def _meanwhile(self) -> str:
+        """``"\n(meanwhile: ...)"`` with what ``_departed`` finds, or ``""``."""
+        problem = self._departed()
+        return f"\n(meanwhile: {problem})" if problem else ""
+
+    def _departed(self, failure: str = "") -> str:
+        """The ranks whose worker left, is shutting down, restarted or went silent, as the scheduler sees it, as
+        text, or ``""``. When ``failure`` (a rank's error) is a failed collective, whose text names only a
+        socket ("Connection closed by peer [127.0.0.1]:44187"), the scheduler is asked again for up to
+        ``PEER_GRACE`` seconds: the surviving rank may report the loss before the scheduler has seen its peer
+        go. Each question is bounded by ``PROBE_TIMEOUT``."""
         deadline = time.monotonic() + (self.PEER_GRACE if self.world_size > 1 and _COMM_FAILURE.search(failure) else 0)
         while True:
             try:
@@ -724,8 +729,17 @@ class Session:
             except Exception:
                 problem = ""
             if problem or time.monotonic() >= deadline:
-                return f"\n(meanwhile: {problem})" if problem else ""
+                return problem
             time.sleep(0.25)
+
+    def _failed_on(self, rank: int, text: str, departed: str) -> SessionError:
+        """The error of rank ``rank``'s ``SessionFailed``: led by the workers that left, are shutting down or
+        restarted when the scheduler names some (``departed``, from ``_departed``), since what the rank itself
+        saw of that is often only a socket ("Connection closed by peer [127.0.0.1]:44187")."""
+        where = f"rank {rank} ({self.workers[rank]})"
+        if departed:
+            return SessionError(f"session {self.id}: {departed}; the mesh cannot continue ({where} reported: {text})")
+        return SessionError(f"session {self.id} failed on {where}: {text}")
 
     def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
         """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
@@ -764,9 +778,7 @@ class Session:
         elif kind is GetRefResult:
             self.get_ref_results.append((rank, msg))
         elif kind is SessionFailed:
-            self._fail(SessionError(
-                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}{note}"
-            ))
+            self._fail(self._failed_on(rank, msg.error.backtrace, note))
         else:
             logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)
 
