@@ -295,6 +295,8 @@ class TensorWorker:
         else:
             self.comms.abort()
         self.inbox.close()
+        for mesh in list(self.device_meshes.values()):
+            mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
         self.streams = {}
         self.device_meshes = {}
         self.borrows = {}
