@@ -22,6 +22,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
+from conftest import _cli_cluster, _free_port
 
 TIMEOUT = 120
 
@@ -58,6 +59,20 @@ def holds_nothing(client) -> bool:
 def works(client) -> None:
     with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh:
         assert dm.inspect(dm.remote(torch.add)(mesh.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory):
+    """One ``dask scheduler`` and two ``dask worker`` processes (with nannies) shared by this module's tests."""
+    for address, _ in _cli_cluster(tmp_path_factory.mktemp("cli")):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def fixed_port_cli_cluster(tmp_path_factory):
+    """Like ``cli_cluster``, with a fixed port per worker: a restarted worker comes back at its address."""
+    ports = [("--worker-port", str(_free_port())) for _ in range(2)]
+    yield from _cli_cluster(tmp_path_factory.mktemp("cli-fixed"), ports)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
+from conftest import _cli_cluster
 
 MIB = 2**20
 PER_RANK = 100 * MIB  # each session's tensor, per rank (its reduce's result is as large again)
@@ -104,6 +105,13 @@ def one_session(client) -> None:
             x = torch.ones(PER_RANK // 4)  # float32
             total = x.reduce("dp", "sum")
             assert dm.inspect(total[:2]).tolist() == [2.0, 2.0]
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory):
+    """One ``dask scheduler`` and two ``dask worker`` processes for this module (no test kills a worker)."""
+    for address, _ in _cli_cluster(tmp_path_factory.mktemp("cli")):
+        yield address
 
 
 @pytest.fixture
