@@ -35,8 +35,8 @@ class Answers:
     """Collects the results of ``session``'s tasks on a thread of its own.
 
     ``add(future, sync)``: call ``session._on_sync_done(future)`` (``sync``) or ``session._on_batch_done(future)``
-    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``stop()`` ends the thread,
-    which cancels what is still pending."""
+    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``stop()`` cancels what is
+    still pending and ends the thread."""
 
     #: seconds between checks of a result being gathered (lost? session over?)
     SLICE = 0.5
@@ -57,10 +57,19 @@ class Answers:
         self._more.set()
 
     def stop(self) -> None:
-        """Stop collecting: the thread cancels the tasks still pending and ends."""
+        """Stop collecting: cancel the tasks still pending (tasks pinned to a worker that left would otherwise stay
+        ``no-worker`` on the scheduler for as long as this client lives) and end the thread. Called while the
+        client is still open (``Session.stop``)."""
         self._stopped.set()
         self._done.clear()  # a thread waiting in next_batch sees nothing left to wait for and returns
         self._more.set()
+        pending = [f for f, _ in list(self._waiting.values()) if not f.done()]
+        self._waiting.clear()
+        if pending:
+            try:
+                self._client.cancel(pending)
+            except Exception:  # the client is closing: its tasks go with it
+                pass
 
     def _run(self) -> None:
         done = self._done
@@ -77,7 +86,6 @@ class Answers:
                 if self._stopped.is_set():
                     break
                 self._deliver(future)
-        self._cancel_pending()
 
     def _deliver(self, future) -> None:
         entry = self._waiting.pop(future.key, None)
@@ -91,17 +99,6 @@ class Answers:
                 session._on_batch_done(future)
         except Exception:  # a bug here must not end the thread: later answers still count
             logger.exception("dask_monarch: could not apply the answer of %s", future.key)
-
-    def _cancel_pending(self) -> None:
-        """Cancel the session's tasks that are still pending, e.g. pinned to a worker that left, which the
-        scheduler would otherwise keep as ``no-worker`` for as long as this client lives."""
-        pending = [f for f, _ in list(self._waiting.values()) if not f.done()]
-        self._waiting.clear()
-        if pending:
-            try:
-                self._client.cancel(pending)
-            except Exception:  # the client is closing: its tasks go with it
-                pass
 
     # ------------------------------------------------------------------------------------------ results
     def result(self, future):

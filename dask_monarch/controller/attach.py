@@ -101,9 +101,10 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
     worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
     ``security``: a ``distributed.Security`` for connecting to a scheduler address or cluster object (TLS; a
-    ``Client`` brings its own). On a TLS cluster attach warns once per process that the collectives between
-    workers (gloo, NCCL) are not encrypted (``controller/security.py``; Dask config
-    ``monarch.warn-unencrypted-comms: false`` silences it).
+    ``Client`` brings its own: ``ValueError`` with one; ``TypeError`` for anything but a ``Security``, and for a
+    ``tls://`` address without TLS settings). On a TLS cluster attach warns once per process that the
+    collectives between workers (gloo, NCCL) are not encrypted (``UnencryptedCommsWarning``,
+    ``controller/security.py``; Dask config ``monarch.warn-unencrypted-comms: false`` silences it).
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``timeout`` (seconds) bounds
     waiting for enough workers. Other keyword arguments go to ``Session``, e.g. ``heartbeat_timeout`` (seconds,
     default 30): a mesh worker silent that long (stopped, hung) fails the session, naming it.
