@@ -708,11 +708,11 @@ class Session:
                 for msg in messages:
                     self._handle(rank, msg, note)
 
-    #: seconds a failure in a collective waits for the scheduler to notice the peer it lost (see ``_meanwhile``)
+    #: seconds a failure in a collective waits for the scheduler to notice the peer it lost (see ``_departed``)
     PEER_GRACE = 3.0
 
     def _meanwhile(self) -> str:
-        """``"\n(meanwhile: ...)"`` with what ``_departed`` finds, or ``""``."""
+        """``"\\n(meanwhile: ...)"`` with what ``_departed`` finds, or ``""``."""
         problem = self._departed()
         return f"\n(meanwhile: {problem})" if problem else ""
 
