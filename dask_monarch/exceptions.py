@@ -10,20 +10,30 @@ class RemoteException(Exception):
     nobody fetched one (spec §3).
 
     Attributes: ``seq`` (the failing invocation), ``rank`` (the first rank that reported it), ``worker`` (its
-    Dask worker address), ``backtrace`` (the remote traceback text), ``function`` (what was called).
+    Dask worker address), ``backtrace`` (the remote traceback text), ``function`` (what was called), ``others``
+    (raised by ``mesh.exit()``: the other failures nobody fetched, as ``RemoteException``s in seq order; the
+    message counts them and names their seqs).
     """
 
-    def __init__(self, seq: int, rank: int, worker: str, backtrace: str, function: str = ""):
+    def __init__(self, seq: int, rank: int, worker: str, backtrace: str, function: str = "", others=()):
         self.seq = seq
         self.rank = rank
         self.worker = worker
         self.backtrace = backtrace
         self.function = function
+        self.others = list(others)
         what = f" {function}" if function else ""
-        super().__init__(f"remote invocation{what} (seq {seq}) failed on rank {rank} ({worker}):\n{backtrace}")
+        text = f"remote invocation{what} (seq {seq}) failed on rank {rank} ({worker}):\n{backtrace}"
+        if self.others:
+            listed = ", ".join(
+                f"seq {e.seq}" + (f" ({e.function})" if e.function else "") + f" on rank {e.rank}" for e in self.others
+            )
+            n = len(self.others)
+            text += f"\n... and {n} other remote failure{'s' if n > 1 else ''} nobody fetched: {listed}"
+        super().__init__(text)
 
     def __reduce__(self):
-        return (RemoteException, (self.seq, self.rank, self.worker, self.backtrace, self.function))
+        return (RemoteException, (self.seq, self.rank, self.worker, self.backtrace, self.function, self.others))
 
 
 class SessionError(RuntimeError):

@@ -5,6 +5,7 @@ disappears without ``mesh.exit()`` leaves nothing running on the workers."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_monarch as dm
+from dask_monarch.worker.plugin import sync_batch
 
 
 def slow_add(x):
@@ -246,7 +248,8 @@ def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
 def test_worker_restarted_at_the_same_address_fails_the_session_naming_it(fixed_port_cli_cluster):
     """With fixed worker ports the nanny brings a killed worker back at the same address: the scheduler lists it
     again, but the session's state there is gone, and the fetch's status task (rerun there) would wait forever
-    for batches that went to the dead process."""
+    for batches that went to the dead process: the new process refuses the old session's tasks and holds
+    nothing of it."""
     address, procs = fixed_port_cli_cluster
     client = Client(address, set_as_default=False)
     try:
@@ -262,8 +265,14 @@ def test_worker_restarted_at_the_same_address_fails_the_session_naming_it(fixed_
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) (was restarted|left the cluster)"):
             future.result(timeout=120)
         assert time.monotonic() - start < 60
-        mesh.exit()
         client.wait_for_workers(2, timeout=60)
+        # a task of the old session that reaches the new process there is refused: it holds nothing of it
+        answer = client.submit(sync_batch, mesh._session.params[1], 10_000, [], 0, workers=[victim], pure=False)
+        chunk, messages = pickle.loads(answer.result(timeout=60))
+        assert chunk is None and "was restarted after session" in messages[0].error.backtrace
+        mesh.exit()
+        assert wait_until(lambda: not any(session_threads(client, mesh.session_id).values())
+                          and not any(sessions_on_workers(client).values()), 30)
         with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
             assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
     finally:

@@ -21,6 +21,7 @@ from ..worker import MonarchWorkerPlugin
 from ..worker.device import gpu_of_worker
 from .at_exit import forget, remember
 from .mesh import DeviceMesh
+from .security import check_security, warn_if_unencrypted
 from .session import Session, _local_ranks
 
 __all__ = ["attach"]
@@ -104,10 +105,25 @@ def _check_gpus(client, workers: list, timeout: float) -> None:
             "detected\"): give each rank its own GPU (one Dask worker per GPU, e.g. CUDA_VISIBLE_DEVICES=i or "
             "dask cuda worker), or choose fewer workers (workers=[...])"
         )
+def _connect(cluster, security, timeout: float) -> Client:
+    """A ``Client`` of ``cluster`` (an address or a cluster object) with ``security``; a ``tls://`` address
+    without TLS settings gets an error that says how to give them."""
+    options = {} if security is None else {"security": security}
+    try:
+        return Client(cluster, set_as_default=False, timeout=timeout, **options)
+    except TypeError as e:
+        address = cluster if isinstance(cluster, str) else getattr(cluster, "scheduler_address", "")
+        if security is None and str(address).startswith("tls://"):
+            raise TypeError(
+                f"cannot connect to {address} without TLS settings ({e}): pass security=distributed.Security("
+                "tls_ca_file=..., tls_client_cert=..., tls_client_key=...), or set Dask's distributed.comm.tls "
+                "config"
+            ) from None
+        raise
 
 
 def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
-           **session_options) -> DeviceMesh:
+           security=None, **session_options) -> DeviceMesh:
     """Attach this program (the controller) to a Dask cluster and return its ``DeviceMesh``.
 
     ``cluster``: a ``distributed.Client``, a scheduler address (``"tcp://host:8786"``), a cluster object with
@@ -118,6 +134,11 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     ``dims``: ordered mapping of dimension names to sizes whose product is the number of workers used
     (default ``{"workers": n}``). ``workers``: the worker addresses to use, in rank order (default: every
     worker, sorted by host then port; with ``dims``, the first ``prod(dims)``).
+    ``security``: a ``distributed.Security`` for connecting to a scheduler address or cluster object (TLS; a
+    ``Client`` brings its own: ``ValueError`` with one; ``TypeError`` for anything but a ``Security``, and for a
+    ``tls://`` address without TLS settings). On a TLS cluster attach warns once per process that the
+    collectives between workers (gloo, NCCL) are not encrypted (``UnencryptedCommsWarning``,
+    ``controller/security.py``; Dask config ``monarch.warn-unencrypted-comms: false`` silences it).
     ``comm_timeout`` (seconds) bounds rendezvous and collectives on the workers; ``timeout`` (seconds) bounds
     waiting for enough workers. Other keyword arguments go to ``Session``, e.g. ``heartbeat_timeout`` (seconds,
     default 30): a mesh worker silent that long (stopped, hung) fails the session, naming it.
@@ -137,6 +158,12 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     timeout = _check_seconds("timeout", timeout)
     if workers is not None:
         workers = _check_workers(workers)
+    check_security(security)
+    if security is not None and (cluster is None or isinstance(cluster, Client)):
+        raise ValueError(
+            "security= is for connecting to a scheduler address or cluster object; "
+            + ("a Client brings its own security" if cluster is not None else "the embedded cluster does not use TLS")
+        )
     want = math.prod(sizes) if sizes else (len(workers) if workers else None)
     if workers is not None and sizes is not None and len(workers) != want:
         raise ValueError(f"workers: {len(workers)} addresses given but dims {dict(dims)} need {want}")
@@ -153,10 +180,10 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     elif isinstance(cluster, Client):
         client = cluster
     elif isinstance(cluster, str):
-        client = Client(cluster, set_as_default=False, timeout=timeout)
+        client = _connect(cluster, security, timeout)
         owns_client = True
     elif hasattr(cluster, "scheduler_address"):
-        client = Client(cluster, set_as_default=False, timeout=timeout)
+        client = _connect(cluster, security, timeout)
         owns_client = True
     else:
         raise TypeError(f"cluster must be a distributed.Client, a scheduler address or None, got {type(cluster).__name__}")
@@ -219,7 +246,7 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
         ))
         session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
-        session.pin_workers()
+        warn_if_unencrypted(client.scheduler.address, workers)
         closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
 

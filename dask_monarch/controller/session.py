@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import math
 import pickle
+import re
 import threading
 import time
 import uuid
@@ -54,6 +55,7 @@ from ..protocol import (
 )
 from ..worker.plugin import deliver_batch, session_state, sync_batch
 from ..worker.tensor_worker import SessionParams
+from .answers import AnswerLost, Answers
 from .coalescing import held_messages, refuse_wait
 from .history import History
 from .propagation import Propagator
@@ -65,6 +67,12 @@ logger = logging.getLogger("dask_monarch.controller")
 
 #: The stream every session creates first (Monarch's ``Stream("main", _default=True)``).
 DEFAULT_STREAM = StreamRef(0)
+
+#: what the worker's failure text says when a collective or a communicator failed (``worker/comm.py``)
+_COMM_FAILURE = re.compile(r"communicator|among .+ (failed|abandoned)|comm_timeout")
+
+#: statuses of a Dask worker that is going away (``distributed.core.Status``)
+_CLOSING = ("closing", "closing_gracefully", "closed", "stopping", "stopped", "failed")
 
 
 def _storage(tensor) -> int:
@@ -226,10 +234,13 @@ class Session:
         self.liveness_interval = liveness_interval
         self.heartbeat_timeout = float(heartbeat_timeout)
         self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
+        self.pin_workers()
+        ids = self._worker_ids or {}
         options = {"comm_timeout": float(comm_timeout)}
+        # each rank's tasks name the worker process they are for: one restarted at the same address refuses them
         self.params = [
-            SessionParams(self.id, r, self.world_size, {**options, "local_rank": local}) for r, local in
-            enumerate(_local_ranks(self.workers))
+            SessionParams(self.id, r, self.world_size, {**options, "local_rank": local, "worker_id": ids.get(a)})
+            for r, (a, local) in enumerate(zip(self.workers, _local_ranks(self.workers)))
         ]
         self.lock = threading.RLock()
         self.history = History(self.world_size)
@@ -272,6 +283,7 @@ class Session:
         self._released = False  # the interpreter settings given back (``stop``)
         self._release_lock = threading.Lock()
         interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
+        self._answers = Answers(self, self._key)  # never Dask's shared callback thread (answers.py)
         self._flusher.start()
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
 
@@ -509,14 +521,14 @@ class Session:
                     sync_batch, self.params[rank], bseq, blobs, sync_seq, exit_after,
                     key=task_key("exit" if exit_after else kind, self.id, rank, bseq), **common,
                 )
-                fut.add_done_callback(self._on_sync_done)
+                self._answers.add(fut, sync=True)
                 futures[rank] = fut
             else:
                 fut = self.client.submit(
                     deliver_batch, self.params[rank], bseq, blobs,
                     key=task_key("messages", self.id, rank, bseq), **common,
                 )
-                fut.add_done_callback(self._on_batch_done)
+                self._answers.add(fut, sync=False)
             inflight = self._inflight[rank]
             inflight.append(fut)
             while inflight and inflight[0].done():
@@ -600,11 +612,11 @@ class Session:
         except Exception as e:
             return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
 
-    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float, dict]:
+    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float, dict, dict]:
         """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval; the id
-        of each worker's process, or None), from the scheduler, bounded by ``timeout`` (default
-        ``heartbeat_timeout``: a scheduler busy with a large graph may take seconds to answer, and a silent
-        scheduler is judged like a silent worker)."""
+        of each worker's process, or None; each worker's status, e.g. ``"closing"``), from the scheduler, bounded
+        by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may take seconds to
+        answer, and a silent scheduler is judged like a silent worker)."""
         timeout = self.heartbeat_timeout if timeout is None else timeout
         answer = self.client.sync(
             self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
@@ -613,8 +625,8 @@ class Session:
             info = self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
             known = info.get("workers", {})
             ids = {a: known[a].get("id") if a in known else None for a in self.workers}
-            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0, ids
-        return answer["ages"], float(answer["interval"]), answer.get("ids", {})
+            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0, ids, {}
+        return answer["ages"], float(answer["interval"]), answer.get("ids", {}), answer.get("status", {})
 
     def pin_workers(self) -> None:
         """Remember the process behind each rank's address (the scheduler's worker id), so that one restarted
@@ -624,13 +636,17 @@ class Session:
         except Exception:
             self._worker_ids = None  # the first liveness check pins them
 
-    def _unhealthy(self, ages: dict, interval: float, ids: dict | None = None) -> str:
-        """The ranks whose worker left the cluster or was restarted, else those silent for more than
-        ``heartbeat_timeout`` (and ten heartbeat intervals), as text; empty if all look alive."""
+    def _unhealthy(self, ages: dict, interval: float, ids: dict | None = None, status: dict | None = None) -> str:
+        """The ranks whose worker left the cluster, is shutting down or was restarted, else those silent for
+        more than ``heartbeat_timeout`` (and ten heartbeat intervals), as text; empty if all look alive."""
         gone = [(r, a) for r, a in enumerate(self.workers) if ages.get(a, 0.0) is None]
         if gone:
             names = ", ".join(f"rank {r} ({a})" for r, a in gone)
             return f"worker(s) left the cluster: {names}"
+        closing = [(r, a) for r, a in enumerate(self.workers) if (status or {}).get(a) in _CLOSING]
+        if closing:
+            names = ", ".join(f"rank {r} ({a})" for r, a in closing)
+            return f"worker(s) shutting down (closed, restarted or retired): {names}"
         pinned = self._worker_ids
         if ids and pinned is None:
             self._worker_ids = pinned = dict(ids)
@@ -656,12 +672,12 @@ class Session:
         if self.failure is not None:
             raise self.failure
         try:
-            ages, interval, ids = self._worker_ages()
+            ages, interval, ids, status = self._worker_ages()
         except Exception as e:
             err = SessionError(f"session {self.id}: the Dask scheduler is unreachable: {type(e).__name__}: {e}")
             self._fail(err)
             raise err from None
-        problem = self._unhealthy(ages, interval, ids)
+        problem = self._unhealthy(ages, interval, ids, status)
         if problem:
             err = SessionError(f"session {self.id}: {problem}; the mesh cannot continue")
             self._fail(err)
@@ -669,43 +685,43 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------- answers
     def _on_batch_done(self, fut) -> None:
+        """A ``deliver_batch`` task is done (on the answers thread, ``answers.py``)."""
         if fut.status == "error":
-            try:
-                exc = fut.exception()
-            except Exception as e:
-                exc = e
+            exc = self._answers.exception(fut)
             self._fail(SessionError(f"session {self.id}: delivering a message batch ({fut.key}) failed: {exc}"))
 
     def _on_sync_done(self, fut) -> None:
+        """A ``sync_batch`` task is done: apply its answers (on the answers thread, ``answers.py``)."""
         rank = parse_task_key(fut.key)[2]
         if fut.status == "cancelled":
             self._fail(SessionError(
                 f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
-                "cancelled (the cluster was restarted, or the task was released)"
+                f"cancelled (the cluster was restarted, or the task was released){self._meanwhile()}"
             ))
             return
-        if fut.status != "finished":
-            try:
-                exc = fut.exception()
-            except Exception as e:
-                exc = e
+        if fut.status == "error":
+            exc = self._answers.exception(fut)
             self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
             return
         try:
-            chunk, messages = pickle.loads(fut.result())
+            chunk, messages = pickle.loads(self._answers.result(fut))
+        except AnswerLost as e:
+            if self.failure is None:
+                self._fail(SessionError(
+                    f"session {self.id}: the answers of rank {rank} ({self.workers[rank]}, {fut.key}) were lost before "
+                    f"the controller collected them ({e}): its worker died or restarted{self._meanwhile()}"
+                ))
+            return
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
             return
         messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
         note = ""
-        if self.failure is None and any(type(m) is SessionFailed for m in messages):
+        failed = [m for m in messages if type(m) is SessionFailed]
+        if self.failure is None and failed:
             # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
             # worker that left or went silent, if the scheduler knows one
-            try:
-                problem = self._unhealthy(*self._worker_ages(self.PROBE_TIMEOUT))
-            except Exception:
-                problem = ""
-            note = f"\n(meanwhile: {problem})" if problem else ""
+            note = self._departed(failed[0].error.backtrace)
         with self.lock:
             if chunk is None:  # the session had already ended on that worker
                 for msg in messages:
@@ -721,6 +737,39 @@ class Session:
                 self._answers_next[rank] += 1
                 for msg in messages:
                     self._handle(rank, msg, note)
+
+    #: seconds a failure in a collective waits for the scheduler to notice the peer it lost (see ``_departed``)
+    PEER_GRACE = 3.0
+
+    def _meanwhile(self) -> str:
+        """``"\\n(meanwhile: ...)"`` with what ``_departed`` finds, or ``""``."""
+        problem = self._departed()
+        return f"\n(meanwhile: {problem})" if problem else ""
+
+    def _departed(self, failure: str = "") -> str:
+        """The ranks whose worker left, is shutting down, restarted or went silent, as the scheduler sees it, as
+        text, or ``""``. When ``failure`` (a rank's error) is a failed collective, whose text names only a
+        socket ("Connection closed by peer [127.0.0.1]:44187"), the scheduler is asked again for up to
+        ``PEER_GRACE`` seconds: the surviving rank may report the loss before the scheduler has seen its peer
+        go. Each question is bounded by ``PROBE_TIMEOUT``."""
+        deadline = time.monotonic() + (self.PEER_GRACE if self.world_size > 1 and _COMM_FAILURE.search(failure) else 0)
+        while True:
+            try:
+                problem = self._unhealthy(*self._worker_ages(self.PROBE_TIMEOUT))
+            except Exception:
+                problem = ""
+            if problem or time.monotonic() >= deadline:
+                return problem
+            time.sleep(0.25)
+
+    def _failed_on(self, rank: int, text: str, departed: str) -> SessionError:
+        """The error of rank ``rank``'s ``SessionFailed``: led by the workers that left, are shutting down or
+        restarted when the scheduler names some (``departed``, from ``_departed``), since what the rank itself
+        saw of that is often only a socket ("Connection closed by peer [127.0.0.1]:44187")."""
+        where = f"rank {rank} ({self.workers[rank]})"
+        if departed:
+            return SessionError(f"session {self.id}: {departed}; the mesh cannot continue ({where} reported: {text})")
+        return SessionError(f"session {self.id} failed on {where}: {text}")
 
     def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
         """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
@@ -762,9 +811,7 @@ class Session:
         elif kind is GetRefResult:
             self.get_ref_results.append((rank, msg))
         elif kind is SessionFailed:
-            self._fail(SessionError(
-                f"session {self.id} failed on rank {rank} ({self.workers[rank]}): {msg.error.backtrace}{note}"
-            ))
+            self._fail(self._failed_on(rank, msg.error.backtrace, note))
         else:
             logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)
 
@@ -810,10 +857,16 @@ class Session:
 
     # ------------------------------------------------------------------------------------------------- exit
     def stop(self) -> None:
-        """Close the session on the controller only: later use raises, the flusher thread ends, nothing more
-        is sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
+        """Close the session on the controller only: later use raises, the flusher and answers threads end, its
+        tasks still pending are cancelled and the finished ones released (the workers keep a task's result while
+        the controller holds its future), nothing more is sent (``close`` drains the workers first; attach uses
+        this alone when it fails half-way)."""
         self.closed = True
         self._wake.set()
+        self._answers.stop()
+        with self.lock:
+            for inflight in self._inflight:
+                inflight.clear()
         with self._release_lock:
             if not self._released:
                 self._released = True
@@ -821,7 +874,8 @@ class Session:
 
     def close(self, timeout: float = 60.0) -> None:
         """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
-        and stop the flusher. Raises the first failure nobody fetched (``RemoteException``), the ``SessionError``
+        and stop the flusher. Raises the failure nobody fetched with the smallest seq (``RemoteException``; its
+        ``others`` and message list the other unfetched ones, spec §3 "Controller"), the ``SessionError``
         if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
         included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
         with self._close_lock:  # a second exit (another thread) waits for the first, then returns
@@ -847,4 +901,7 @@ class Session:
             unconsumed = list(self.history.unconsumed.values())
             self.history.unconsumed.clear()
         if unconsumed:
-            raise unconsumed[0]
+            first, *others = sorted(unconsumed, key=lambda e: e.seq)
+            if not others:
+                raise first
+            raise RemoteException(first.seq, first.rank, first.worker, first.backtrace, first.function, others)

@@ -138,16 +138,30 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
     def worker_ages(self, workers: list) -> dict:
         """Liveness of ``workers`` as the scheduler sees it: ``ages`` maps each address to the seconds since its
         last heartbeat (None if it is not in the cluster), ``ids`` to the id of the worker process there (a
-        worker restarted at the same address has a new one); ``interval`` is the heartbeat interval the
+        worker restarted at the same address has a new one), ``status`` to its status (``"running"``,
+        ``"closing"`` while it shuts down or restarts, ...); ``interval`` is the heartbeat interval the
         scheduler asks of its workers now. Measured on the scheduler's clock, so the controller's does not
         matter."""
         now = dask_time()  # the clock of WorkerState.last_seen
-        ages, ids = {}, {}
+        ages, ids, status = {}, {}, {}
         for address in workers:
             ws = self.scheduler.workers.get(address)
             ages[address] = None if ws is None else max(0.0, now - ws.last_seen)
             ids[address] = None if ws is None else ws.server_id
-        return {"ages": ages, "ids": ids, "interval": heartbeat_interval(len(self.scheduler.workers))}
+            status[address] = None if ws is None else ws.status.name
+        return {"ages": ages, "ids": ids, "status": status,
+                "interval": heartbeat_interval(len(self.scheduler.workers))}
+
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str | None = None, **kwargs) -> None:
+        """A worker left the cluster (it died, closed, restarted or was retired): each session it served ends now
+        on its other workers, naming it, and the session's rendezvous waits fail, whether or not its
+        controller is waiting for an answer at the time."""
+        for session_id, info in list(self.sessions.items()):
+            if worker in info["workers"] and not info.get("lost"):
+                rank = info["workers"].index(worker)
+                info["lost"] = reason = f"rank {rank} ({worker}) left the cluster"
+                self._end_on_workers(session_id, info, f"the session cannot continue: {reason}")
+                asyncio.ensure_future(self.kv.abort(f"{session_id}/"))
 
     def list_sessions(self) -> dict:
         return {k: dict(v) for k, v in self.sessions.items()}

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol import Reduction
+from . import gloo
 from .store import SchedulerStore
 
 __all__ = ["CommError", "Comms", "reduce", "unsupported"]
@@ -55,8 +56,10 @@ class Comms:
         self.unique_id: str | None = None
         self.world = None
         self.groups: list = []
+        self._gloo_addresses: list = []  # per group of ``groups`` on gloo: (own listening address, the peers')
         self._stores: list = []
-        #: set by ``shutdown``: a collective still waiting (on gloo, which no abort unblocks) gives up at once
+        self._lock = threading.Lock()
+        #: set by ``shutdown``/``abort``: a collective still waiting gives up at once
         self.stopped = threading.Event()
         self.stop_reason = "the session ended"
 
@@ -84,9 +87,12 @@ class Comms:
                     group.eager_connect_single_device(self.device)
             else:
                 opts = dist.ProcessGroupGloo._Options()
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_host(self.worker.address))]
+                device, address = gloo.create_device(_host(self.worker.address))
+                opts._devices = [device]
                 opts._timeout = timeout
                 group = dist.ProcessGroupGloo(store, group_rank, len(members), opts)
+                del opts, device
+                addresses = _exchange(store, group_rank, len(members), address)
         except Exception as e:
             missing = [
                 members[i] for i in range(len(members)) if not store.check([f"joined/{i}"])
@@ -96,7 +102,18 @@ class Comms:
                 f"could not build the {self.backend} communicator of ranks {members} within {self.timeout:g} s{who}: "
                 f"{type(e).__name__}: {e}"
             ) from None
-        self.groups.append(group)
+        with self._lock:
+            stopped = self.stopped.is_set()
+            if not stopped:
+                self.groups.append(group)
+                if self.backend == "gloo":
+                    self._gloo_addresses.append(addresses)
+        if stopped:  # the session ended while this group was being built: it is not kept
+            if self.backend == "gloo":
+                gloo.shutdown_connections(*addresses)
+            else:
+                _quietly(group.abort)
+            raise CommError(f"the {self.backend} communicator of ranks {members} was abandoned: {self.stop_reason}")
         return group
 
     def init_world(self, unique_id: str, stream_ids=()) -> dict:
@@ -117,19 +134,56 @@ class Comms:
         return self._new_group(key, members)
 
     def shutdown(self, reason: str | None = None) -> None:
-        """Release every process group (best effort: a group whose peer is gone may refuse). A collective still
+        """Release every process group now (the session ended cleanly: nothing is pending). A collective still
         waiting on another thread stops waiting and raises ``CommError`` with ``reason``."""
-        if reason and not self.stopped.is_set():
-            self.stop_reason = reason
-        self.stopped.set()
-        for group in self.groups:
-            try:
-                group.shutdown() if hasattr(group, "shutdown") else None
-            except Exception:
-                pass
-        self.groups.clear()
-        self._stores.clear()
-        self.world = None
+        self._release(reason, abort=False)
+
+    def abort(self, reason: str | None = None) -> None:
+        """Fail every pending collective of the session's groups at once and release them (the session failed):
+        NCCL groups are aborted (``ProcessGroupNCCL.abort``, ``ncclCommAbort``), gloo groups have their
+        connections shut down (``gloo.py``: gloo has no abort), so a collective waiting on a stopped or hung
+        peer raises now, its threads end, and releasing the group does not wait for ``comm_timeout``."""
+        self._release(reason, abort=True)
+
+    def _release(self, reason: str | None, abort: bool) -> None:
+        with self._lock:
+            if reason and not self.stopped.is_set():
+                self.stop_reason = reason
+            self.stopped.set()
+            groups, self.groups = self.groups, []
+            addresses, self._gloo_addresses = self._gloo_addresses, []
+            self._stores = []
+            self.world = None
+        for i, group in enumerate(groups):
+            if self.backend == "gloo":
+                if abort:
+                    gloo.shutdown_connections(*addresses[i])
+            else:
+                _quietly(group.abort if abort else group.shutdown)
+        # the last reference is dropped by whoever holds it last (a stream thread that was waiting in one): the
+        # destructor joins the group's threads and closes its sockets, at once now that nothing is pending
+        del groups
+
+
+def _exchange(store, group_rank: int, size: int, address) -> list:
+    """``(own address, [the peers' addresses])`` of a gloo group's listening sockets, exchanged through the
+    group's store once every rank has built it (``gloo.shutdown_connections`` needs them to abort it)."""
+    store.set(f"gloo-address/{group_rank}", "" if address is None else f"{address[0]} {address[1]}")
+    peers = []
+    for i in range(size):
+        if i != group_rank:
+            text = store.get(f"gloo-address/{i}").decode()
+            if text:
+                ip, port = text.rsplit(" ", 1)
+                peers.append((ip, int(port)))
+    return address, peers
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # a group whose peer is gone may refuse: it is dropped all the same
+        pass
 
 
 def _check_quietly(store) -> bool:
@@ -150,10 +204,10 @@ _POLL = datetime.timedelta(seconds=0.5)
 
 
 def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
-    """Wait for collective ``work``. With ``comms`` on gloo, wait in slices so that ``comms.shutdown()`` (the
-    session failed or was told to exit) ends the wait at once: a gloo op blocked on a stopped peer otherwise
-    holds its thread until the group's timeout, and neither ``abort`` nor ``shutdown`` of the group unblocks it.
-    The group's own timeout still bounds the op."""
+    """Wait for collective ``work``. With ``comms`` on gloo, wait in slices so that ``comms.shutdown()`` or
+    ``abort()`` (the session failed or was told to exit) ends the wait at once, even where the abort could not
+    reach the op's connections (``gloo.py``). The group's own timeout still bounds the op. An op that fails
+    because the session's groups were aborted reports the session's reason, not the connection it lost."""
     try:
         if comms is None or comms.backend != "gloo":
             work.wait()
@@ -171,6 +225,8 @@ def _wait(work, what: str, among: str, comms: "Comms | None" = None) -> None:
     except CommError:
         raise
     except Exception as e:
+        if comms is not None and comms.stopped.is_set():
+            raise CommError(f"{what} among {among} abandoned: {comms.stop_reason}") from None
         if comms is not None and "Timed out" in str(e):
             raise CommError(
                 f"{what} did not complete within comm_timeout={comms.timeout:g} s: a peer did not reach it in time "

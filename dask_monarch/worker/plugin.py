@@ -90,7 +90,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
             tw.close(join_timeout=1.0)
 
     def tensor_worker(self, params) -> TensorWorker | None:
-        """The session's ``TensorWorker``, created on first use; None if the session already ended here."""
+        """The session's ``TensorWorker``, created on first use; None if the session already ended here, or if it
+        began on another process at this address (``options["worker_id"]``, the Dask id of the worker the
+        controller pinned the rank to): a worker restarted at the same address (a nanny restart with a fixed
+        port, ``Client.restart_workers``, ``Client.restart``) runs the tasks the scheduler re-sends it, and must
+        not start the session anew there, with an inbox waiting for batches that went to the dead process."""
         session_id = params[0]
         tw = self.sessions.get(session_id)
         if tw is not None:
@@ -99,6 +103,15 @@ class MonarchWorkerPlugin(WorkerPlugin):
             tw = self.sessions.get(session_id)
             if tw is None and session_id not in self.closed:
                 session_id, rank, world_size, options = params
+                expected = options.get("worker_id")
+                if expected and expected != self.worker.id:
+                    self.closed[session_id] = (
+                        f"the Dask worker at {self.worker.address} was restarted after session {session_id} began "
+                        f"(this process is {self.worker.id}, rank {rank} began on {expected}): the session's state "
+                        "there is gone"
+                    )
+                    self._trim_closed()
+                    return None
                 first = not self.sessions
                 if first:  # before the session's threads start: a bad config value fails here, leaving nothing
                     interpreter.hold(gc_threshold=True)

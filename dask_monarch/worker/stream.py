@@ -199,6 +199,25 @@ class StreamWorker:
             torch.cuda.set_stream(self.cuda_stream)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The stream's thread ends (after ``stop``, or after the session failed): drop at once what the stream
+        holds (its ref table's tensors, its communicator, its CUDA stream, what is still queued), so that
+        nothing waits for the garbage collector (the tensor worker and its streams refer to each other)."""
+        self.env.clear()
+        self.comm = None
+        self.cuda_stream = None
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _serve(self) -> None:
         tw = self.tw
         try:
             self._start_device()

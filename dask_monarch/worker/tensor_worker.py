@@ -16,6 +16,8 @@ import logging
 import threading
 import traceback
 
+import torch
+
 from ..protocol import (
     BackendNetworkInit,
     BackendNetworkPointToPointInit,
@@ -62,6 +64,15 @@ from .stream import StatusBarrier, StreamSegment, StreamWorker
 __all__ = ["TensorWorker", "SessionParams"]
 
 logger = logging.getLogger("dask_monarch.worker")
+
+
+def _empty_cache(device) -> None:
+    """Return the CUDA caching allocator's unused blocks to the device (a clean end: no kernel is pending)."""
+    if device.type == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
 
 
 class SessionParams(tuple):
@@ -250,8 +261,9 @@ class TensorWorker:
 
     def fail(self, text: str) -> None:
         """Fail the session on this worker (class F): report ``SessionFailed`` once, stop applying messages, and
-        release the communicators so peers blocked in a collective see an error instead of waiting. Closing the
-        inbox wakes the dispatcher, which then stops the session (``close``)."""
+        abort the communicators (``Comms.abort``), so that a collective waiting here or on a peer errors out now
+        instead of at ``comm_timeout``. Closing the inbox wakes the dispatcher, which then stops the session
+        (``close``)."""
         with self._cond:
             if self.failure is not None:
                 return
@@ -259,21 +271,42 @@ class TensorWorker:
             self.report(SessionFailed(WorkerError(text, self.actor_id)))
             self._cond.notify_all()
         logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
-        self.comms.shutdown(f"the session failed on rank {self.rank}: {text[:500]}")
+        self.comms.abort(f"the session failed on rank {self.rank}: {text[:500]}")
         self.inbox.close()
 
     def close(self, join_timeout: float = 10.0) -> None:
-        """Stop every stream (after what is queued), release comms, and forget the session. Idempotent."""
+        """Stop every stream (after what is queued), release comms, and forget the session. Idempotent.
+
+        Everything the session held here is let go now, not at the next run of Python's cyclic garbage collector:
+        each stream's thread drops its ref table as it ends (``StreamWorker._release``; a stream still running a
+        function after ``join_timeout`` seconds drops it when that returns), the process groups are released
+        (aborted if the session failed), and the tables that tie the tensor worker to its streams, meshes and
+        borrows are emptied. On a GPU worker a clean end also hands the caching allocator's free blocks back to
+        the device (``torch.cuda.empty_cache``)."""
         with self._cond:
             if self._closing:
                 return
             self._closing = True
-        for stream in self.streams.values():
+        streams = list(self.streams.values())
+        for stream in streams:
             stream.stop()
-        for stream in self.streams.values():
+        for stream in streams:
             stream.thread.join(join_timeout)
-        self.comms.shutdown()
+        if self.failure is None:
+            self.comms.shutdown()
+        else:
+            self.comms.abort()
         self.inbox.close()
+        for mesh in list(self.device_meshes.values()):
+            mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
+        self.streams = {}
+        self.device_meshes = {}
+        self.borrows = {}
+        self._handlers = {}  # its bound methods refer back to this object: a cycle only the collector would free
+        self.recordings = Definitions(None)  # the recordings (and their CUDA graphs) refer back to it too
+        del streams
+        if self.failure is None:
+            _empty_cache(self.device)
         with self._cond:
             self.closed = True
             self._cond.notify_all()

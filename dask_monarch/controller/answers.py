@@ -1,0 +1,138 @@
+"""``Answers``: the thread that collects a session's task results, so that no fault can wedge the controller
+(DESIGN.md "Decisions": a failure never turns into a hang).
+
+Dask runs every ``Future.add_done_callback`` callback of a process on one shared thread
+(``Dask-Callback-Thread``). A callback that waits there stops every later answer in the process, of every session
+and ``Client``: ``fut.result()`` on a task whose worker died after computing it never returns, because Dask
+reschedules the lost key onto the pinned, dead worker ("Couldn't gather 1 keys, rescheduling ...") and waits for
+it. So a session uses no such callback. ``distributed.as_completed`` tracks its tasks on the client's event loop,
+and the session's own ``monarch-answers-<tag>`` thread takes each finished task and hands it to the session
+(``Session._on_sync_done`` / ``_on_batch_done``), which reads the result through ``result``: ``Client.gather``
+runs on the event loop and is awaited here in slices of ``SLICE`` seconds, and given up (``AnswerLost``) as soon
+as the result is lost (the future's status leaves ``finished``: its worker died) or the session has failed or
+stopped. Only that session fails; the thread ends with the session (``stop``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+
+from distributed import as_completed
+
+__all__ = ["Answers", "AnswerLost"]
+
+logger = logging.getLogger("dask_monarch.controller")
+
+
+class AnswerLost(Exception):
+    """A finished task's result could not be collected: lost with its worker, or the session ended first."""
+
+
+class Answers:
+    """Collects the results of ``session``'s tasks on a thread of its own.
+
+    ``add(future, sync)``: call ``session._on_sync_done(future)`` (``sync``) or ``session._on_batch_done(future)``
+    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``stop()`` cancels what is
+    still pending and ends the thread."""
+
+    #: seconds between checks of a result being gathered (lost? session over?)
+    SLICE = 0.5
+
+    def __init__(self, session, tag: str):
+        self._session = session
+        self._client = session.client
+        self._done = as_completed(loop=self._client.loop)
+        self._waiting: dict = {}  # key -> (future, whether its result is answers), until handed over
+        self._more = threading.Event()
+        self._stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"monarch-answers-{tag}", daemon=True)
+        self.thread.start()
+
+    def add(self, future, sync: bool) -> None:
+        self._waiting[future.key] = (future, sync)
+        self._done.add(future)
+        self._more.set()
+
+    def stop(self) -> None:
+        """Stop collecting: cancel the tasks still pending (tasks pinned to a worker that left would otherwise stay
+        ``no-worker`` on the scheduler for as long as this client lives) and end the thread. Called while the
+        client is still open (``Session.stop``)."""
+        self._stopped.set()
+        self._done.clear()  # a thread waiting in next_batch sees nothing left to wait for and returns
+        self._more.set()
+        pending = [f for f, _ in list(self._waiting.values()) if not f.done()]
+        self._waiting.clear()
+        if pending:
+            try:
+                self._client.cancel(pending)
+            except Exception:  # the client is closing: its tasks go with it
+                pass
+
+    def _run(self) -> None:
+        done = self._done
+        while not self._stopped.is_set():
+            self._more.clear()
+            if done.is_empty():
+                self._more.wait()
+                continue
+            try:
+                batch = done.next_batch(block=True)
+            except StopIteration:
+                continue
+            for future in batch:
+                if self._stopped.is_set():
+                    break
+                self._deliver(future)
+
+    def _deliver(self, future) -> None:
+        entry = self._waiting.pop(future.key, None)
+        if entry is None:
+            return
+        session = self._session
+        try:
+            if entry[1]:
+                session._on_sync_done(future)
+            else:
+                session._on_batch_done(future)
+        except Exception:  # a bug here must not end the thread: later answers still count
+            logger.exception("dask_monarch: could not apply the answer of %s", future.key)
+
+    # ------------------------------------------------------------------------------------------ results
+    def result(self, future):
+        """The result of done ``future``, gathered on the client's event loop. Raises the task's error,
+        ``CancelledError``, or ``AnswerLost`` if the result is or becomes lost (its worker died before the controller
+        collected it; the future is then cancelled, so that the scheduler forgets the key instead of waiting
+        for the dead worker) or the session has failed or stopped meanwhile."""
+        client = self._client
+        status = future.status
+        if status != "finished":  # lost since it finished (its worker died), or never finished
+            future.cancel()
+            raise AnswerLost(f"Dask future status {status!r}")
+
+        async def gather():
+            return (await client.gather([future], asynchronous=True))[0]
+
+        pending = asyncio.run_coroutine_threadsafe(gather(), client.loop.asyncio_loop)
+        while True:
+            try:
+                return pending.result(timeout=self.SLICE)
+            except concurrent.futures.TimeoutError:
+                pass
+            status = future.status
+            lost = status != "finished"
+            if lost or self._stopped.is_set() or self._session.failure is not None:
+                # the gather itself is left to end on its own: it may share one request with other gathers of
+                # this client (Client._gather coalesces them), which cancelling it would fail too
+                if lost:
+                    future.cancel()  # ends the gather's wait for a recompute that never comes
+                raise AnswerLost(f"Dask future status {status!r}" if lost else "the session ended")
+
+    def exception(self, future) -> BaseException:
+        """The error of errored ``future`` (already on the controller: no wait on a worker)."""
+        try:
+            return future.exception(timeout=self._session.PROBE_TIMEOUT)
+        except Exception as e:
+            return e

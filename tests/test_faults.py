@@ -1,0 +1,212 @@
+"""No fault can wedge the controller, and a restarted worker holds nothing of earlier sessions (issue 12).
+
+* A worker killed after a status task finished but before the controller collected its result: the session
+  fails naming the rank, and the next session in the process works, on the same and on a new ``Client`` (the
+  controller never waits in Dask's one callback thread, which a user's callback may also keep busy).
+* After each kind of restart (a nanny restart of a killed worker at the same address, ``Client.restart_workers``,
+  ``Client.restart``) no worker holds a session or its threads, and the error names the rank and worker.
+* ``mesh.exit()`` with several unfetched remote failures reports all of them.
+
+Workers are ``dask worker`` processes where one is killed or restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+from conftest import _cli_cluster, _free_port
+
+TIMEOUT = 120
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def _state_probe():
+    """For ``Client.run`` (travels by value: ``dask worker`` processes cannot import this module): the sessions
+    a worker holds and its dask_monarch threads."""
+
+    def state(dask_worker):
+        import threading
+
+        plugin = dask_worker.plugins.get("dask-monarch")
+        return {
+            "sessions": sorted(plugin.sessions) if plugin is not None else [],
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("monarch-")),
+        }
+
+    return state
+
+
+def holds_nothing(client) -> bool:
+    return all(not s["sessions"] and not s["threads"] for s in client.run(_state_probe()).values())
+
+
+def works(client) -> None:
+    with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh:
+        assert dm.inspect(dm.remote(torch.add)(mesh.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory):
+    """One ``dask scheduler`` and two ``dask worker`` processes (with nannies) shared by this module's tests."""
+    for address, _ in _cli_cluster(tmp_path_factory.mktemp("cli")):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def fixed_port_cli_cluster(tmp_path_factory):
+    """Like ``cli_cluster``, with a fixed port per worker: a restarted worker comes back at its address."""
+    ports = [("--worker-port", str(_free_port())) for _ in range(2)]
+    yield from _cli_cluster(tmp_path_factory.mktemp("cli-fixed"), ports)
+
+
+@pytest.fixture
+def client_of(request):
+    clients = []
+
+    def make(address):
+        client = Client(address, set_as_default=False)
+        client.wait_for_workers(2, timeout=60)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def test_a_result_lost_before_the_controller_collected_it_fails_only_that_session(cli_cluster, client_of):
+    """The status task of rank 1 finishes, then its worker is killed before the controller has gathered the
+    result (forced: the session's answer handler waits for the kill). Dask reschedules the lost key onto the
+    dead, pinned worker, so gathering it would wait forever; the session fails naming rank 1 instead, through
+    the lost result itself (liveness checks are held off), and later sessions get answers. Meanwhile an ordinary
+    user callback keeps Dask's shared callback thread busy: the controller does not depend on it."""
+    client = client_of(cli_cluster)
+    # liveness checks far away: only the lost result can report the death within the bound below
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=600, liveness_interval=600)
+    session = mesh._session
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.fetch_shard(x, dp=1).result(timeout=TIMEOUT).item() == 2
+    busy = client.submit(time.sleep, 0.1, pure=False)
+    release_user_callback = threading.Event()
+    busy.add_done_callback(lambda f: release_user_callback.wait(60))
+    victim = mesh.workers[1]
+    killed = threading.Event()
+    real = session._on_sync_done
+
+    def after_the_kill(fut):
+        if fut.key.split("-")[3] == "1" and not killed.is_set():  # rank 1's answers: collected after its death
+            assert killed.wait(60)
+        real(fut)
+
+    session._on_sync_done = after_the_kill
+    try:
+        future = dm.fetch_shard(x, dp=1)
+        assert wait_until(lambda: all(f.status == "finished" for f in future.futures), 60)
+        victim_pid = client.run(os.getpid, workers=[victim])[victim]
+        os.kill(victim_pid, signal.SIGKILL)
+        assert wait_until(lambda: victim not in client.scheduler_info()["workers"], 60)
+        killed.set()
+        start = time.monotonic()
+        with pytest.raises(dm.SessionError, match=rf"answers of rank 1 \({victim}, [^)]*\) were lost"):
+            future.result(timeout=TIMEOUT)
+        assert time.monotonic() - start < 30
+        mesh.exit()  # reported: quiet
+    finally:
+        killed.set()
+        release_user_callback.set()
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
+    works(client)
+    works(client_of(cli_cluster))
+    assert wait_until(lambda: holds_nothing(client), 30), client.run(_state_probe())
+
+
+def test_answers_do_not_wait_for_a_busy_dask_callback_thread(cli_cluster, client_of):
+    """A user's callback holds Dask's one callback thread (``Future.add_done_callback``) for minutes: a session's
+    answers still come (they never pass through that thread)."""
+    client = client_of(cli_cluster)
+    release = threading.Event()
+    started = threading.Event()
+    busy = client.submit(time.sleep, 0.1, pure=False)
+    busy.add_done_callback(lambda f: (started.set(), release.wait(300)))
+    try:
+        assert started.wait(30)
+        with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh:
+            total = dm.remote(torch.add)(mesh.rank("dp"), 1).reduce("dp", "sum")
+            assert dm.fetch_shard(total).result(timeout=60).item() == 3
+    finally:
+        release.set()
+
+
+def slow_on_rank_1(x, rank):
+    if int(rank) == 1:
+        time.sleep(20)
+    return x + 1
+
+
+@pytest.mark.parametrize("restart", ["restart_workers", "restart"])
+def test_after_a_restart_no_worker_holds_the_session(fixed_port_cli_cluster, client_of, restart):
+    """``Client.restart_workers`` of one rank's worker while the other waits for it in an all-reduce, or
+    ``Client.restart`` of the cluster: the session fails, its error led by the rank and worker that restarted
+    (not by the socket the survivor lost: liveness checks are held off, so the survivor's report is what
+    fails it), and afterwards neither the restarted workers (back at the same address: fixed ports) nor the
+    survivor hold anything of it, even though the controller's Exit went to the new processes."""
+    address, _ = fixed_port_cli_cluster
+    client = client_of(address)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=600, liveness_interval=600)
+    x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+    assert dm.inspect(x.reduce("dp", "sum")).item() == 3
+    y = dm.remote(slow_on_rank_1, propagate=lambda x, rank: torch.empty_like(x))(x, mesh.rank("dp"))
+    future = dm.fetch_shard(y.reduce("dp", "sum"))
+    time.sleep(2)  # rank 0 waits in the all-reduce for rank 1
+    victim = mesh.workers[1]
+    if restart == "restart_workers":
+        restarting = threading.Thread(target=client.restart_workers, args=([victim],), kwargs={"timeout": 60})
+        expected = rf"^session \w+: worker\(s\) (shutting down|left the cluster)[^:]*: rank 1 \({victim}\);"
+    else:
+        restarting = threading.Thread(target=client.restart, kwargs={"timeout": 60})
+        expected = r"cancelled \(the cluster was restarted"
+    restarting.start()
+    with pytest.raises(dm.SessionError, match=expected):
+        future.result(timeout=TIMEOUT)
+    restarting.join(90)
+    mesh.exit()
+    client.wait_for_workers(2, timeout=60)
+    assert sorted(client.scheduler_info()["workers"]) == sorted(mesh.workers.values())  # same addresses
+    assert wait_until(lambda: holds_nothing(client), 30), client.run(_state_probe())
+    works(client)
+    assert wait_until(lambda: holds_nothing(client), 30), client.run(_state_probe())
+
+
+def test_exit_with_several_unfetched_failures_names_them_all(client2):
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    bad = dm.remote("i.dont.exist", propagate=lambda: torch.empty(()))
+    with mesh.activate():
+        bad()
+        bad()
+        bad()
+    with pytest.raises(dm.RemoteException) as info:
+        mesh.exit()
+    error = info.value
+    assert len(error.others) == 2
+    seqs = [error.seq] + [e.seq for e in error.others]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    text = str(error)
+    assert "and 2 other remote failures nobody fetched" in text
+    for e in error.others:
+        assert f"seq {e.seq}" in text

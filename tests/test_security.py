@@ -1,0 +1,85 @@
+"""TLS clusters (issue 12; README "Security"): ``attach(address, security=distributed.Security(...))``, a clear
+error without it, and one warning per process that the collectives between workers are not encrypted, which a
+Dask config key silences. The certificate is made with the ``openssl`` command (skipped where it is missing)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+
+import dask
+import pytest
+import torch
+from distributed import LocalCluster, Security
+
+import dask_monarch as dm
+from dask_monarch.controller import security as sec_module
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A TLS ``LocalCluster`` of two workers and its ``Security`` (a self-signed certificate for every role)."""
+    d = tmp_path_factory.mktemp("tls")
+    key, cert = d / "key.pem", d / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-subj", "/CN=dask-internal", "-days", "2"],
+        check=True, capture_output=True,
+    )
+    files = {f"tls_{role}_{kind}": str(path) for role in ("client", "scheduler", "worker")
+             for kind, path in (("cert", cert), ("key", key))}
+    security = Security(tls_ca_file=str(cert), require_encryption=True, **files)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, protocol="tls://", security=security,
+                      dashboard_address=":0", silence_logs=40) as cluster:
+        yield cluster.scheduler_address, security
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    monkeypatch.setattr(sec_module, "_warned", False)
+
+
+def test_attach_by_tls_address_with_security_runs_a_reduce_and_warns_once(tls, fresh_warning):
+    address, security = tls
+    assert address.startswith("tls://")
+    with pytest.warns(sec_module.UnencryptedCommsWarning, match="unencrypted") as record:
+        with dm.attach(address, dims={"dp": 2}, security=security, comm_timeout=60) as mesh:
+            assert dm.inspect(dm.remote(torch.add)(mesh.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+    assert len(record) == 1
+    assert "monarch.warn-unencrypted-comms" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sec_module.UnencryptedCommsWarning)  # a second session: no warning
+        with dm.attach(address, dims={"dp": 2}, security=security, comm_timeout=60) as mesh:
+            assert dm.inspect(mesh.rank("dp")).item() == 0
+
+
+def test_the_config_key_silences_the_warning(tls, fresh_warning):
+    address, security = tls
+    with dask.config.set({"monarch.warn-unencrypted-comms": False}), warnings.catch_warnings():
+        warnings.simplefilter("error", sec_module.UnencryptedCommsWarning)
+        with dm.attach(address, dims={"dp": 2}, security=security, comm_timeout=60) as mesh:
+            assert dm.inspect(mesh.rank("dp")).item() == 0
+
+
+def test_tls_address_without_security_says_to_pass_it(tls):
+    address, _ = tls
+    with pytest.raises(TypeError, match=r"cannot connect to tls://.* without TLS settings.*security=distributed"):
+        dm.attach(address, dims={"dp": 2}, timeout=10)
+
+
+def test_bad_security_arguments_are_named(tls, client1):
+    address, _ = tls
+    with pytest.raises(TypeError, match="security must be a distributed.Security"):
+        dm.attach(address, security={"tls_ca_file": "x"})
+    with pytest.raises(ValueError, match="a Client brings its own security"):
+        dm.attach(client1, security=Security())
+
+
+def test_no_warning_on_a_plain_tcp_cluster(client1, fresh_warning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sec_module.UnencryptedCommsWarning)
+        with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:
+            assert dm.inspect(mesh.rank("workers")).item() == 0
