@@ -84,6 +84,21 @@ def _same(a: list, b: list) -> bool:
         return True
 
 
+_SIMPLE = frozenset((int, float, bool, str, type(None)))
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """``(leaves, spec)`` of a call's arguments: ``torch.utils._pytree``'s, except for the common call of positional
+    tensors and plain values, whose spec is their count (cheaper; it only names the call's structure)."""
+    if not kwargs and all(type(a) in _SIMPLE or isinstance(a, Tensor) for a in args):
+        return list(args), len(args)
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten(leaves: list, spec):
+    return (tuple(leaves), {}) if type(spec) is int else tree_unflatten(leaves, spec)
+
+
 class _Entry:
     """One recording of the function and the non-tensor leaves of its result."""
 
@@ -93,15 +108,20 @@ class _Entry:
         self.values = values  # the result's leaves, None where a tensor goes
         self.positions = positions  # where the result tensors go among them
         self.reference = reference  # the recording's normalized messages, until verified (verify=True)
+        self.single = spec.is_leaf() and positions == [0]  # the function returns one tensor
 
     def matches(self, tensors: list) -> bool:
         return self.recording is None or (not self.recording.session.closed and self.recording.matches(tensors))
 
     def call(self, tensors: list):
+        if self.recording is None:
+            return tree_unflatten(list(self.values), self.spec)
+        results = self.recording.call(tensors)
+        if self.single:
+            return results[0]
         values = list(self.values)
-        if self.recording is not None:
-            for position, result in zip(self.positions, self.recording.call(tensors)):
-                values[position] = result
+        for position, result in zip(self.positions, results):
+            values[position] = result
         return tree_unflatten(values, self.spec)
 
 
@@ -132,7 +152,7 @@ class Compiled:
     def __call__(self, *args, **kwargs):
         if is_coalescing() or compiling() is not None:
             return self.fn(*args, **kwargs)  # inside coalescing() or another compiled function: its messages join
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         key, tensors = _cache_key(leaves, spec, self.name)
         for entry in self._cache.get(key, ()):
             if entry.matches(tensors):
@@ -204,7 +224,7 @@ class Compiled:
         try:
             with recording_block(self.name):
                 formals = iter(recorder.formals(tensors))
-                args, kwargs = tree_unflatten([next(formals) if isinstance(x, Tensor) else x for x in leaves], spec)
+                args, kwargs = _unflatten([next(formals) if isinstance(x, Tensor) else x for x in leaves], spec)
                 result = self.fn(*args, **kwargs)
                 out_leaves, out_spec = tree_flatten(result)
                 outputs = [x for x in out_leaves if isinstance(x, Tensor)]
