@@ -39,7 +39,7 @@ from ..protocol import (
     SplitComm,
     SplitCommForProcessGroup,
 )
-from .dispatch import propagating
+from .local import propagating
 from .mesh import DeviceMesh
 from .propagation import fake_view, fresh_storage
 from .stream import check_access

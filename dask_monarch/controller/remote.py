@@ -23,8 +23,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
-from .dispatch import propagating
-from .mesh import DeviceMesh, get_active_mesh
+from .local import propagating
+from .mesh import DeviceMesh, frontend, get_active_mesh
 from .propagation import Propagator
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
@@ -325,3 +325,6 @@ def remote(fn=None, *, propagate=None):
     elif not callable(fn):
         raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
     return Remote(fn, propagate)
+
+
+frontend.remote = remote

@@ -22,8 +22,9 @@ import warnings
 
 from ..protocol import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse, CreateStream, StreamCreationMode
 from ..protocol import StreamRef
-from .dispatch import propagating
+from .local import propagating
 from .session import DEFAULT_STREAM
+from .tensor import Tensor
 
 __all__ = ["Stream", "Borrow", "main_stream", "get_active_stream", "check_access"]
 
@@ -72,8 +73,6 @@ class Stream:
         ``BorrowFirstUse`` precedes the first operation on ``t2``; ``borrow.drop()`` (or leaving ``with
         borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t`` or a non-bool ``mutable``,
         ``RuntimeError`` for a mutable borrow of a tensor already borrowed (spec §1)."""
-        from .tensor import Tensor
-
         if not isinstance(t, Tensor):
             raise TypeError(f"Stream.borrow: t must be a remote dask_monarch.Tensor, got {type(t).__name__}")
         if not isinstance(mutable, bool):
@@ -131,8 +130,6 @@ class Borrow:
         return f"<{kind} borrow {self.id} of {self.origin.ref!r} onto {self.stream!r}>"
 
     def _start(self):
-        from .tensor import Tensor
-
         origin, session = self.origin, self._session
         mesh = origin.mesh
         with session.lock:

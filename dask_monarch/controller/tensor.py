@@ -16,6 +16,7 @@ import traceback
 import torch
 
 from ..protocol import Ref
+from .mesh import frontend
 
 __all__ = ["Tensor"]
 
@@ -53,9 +54,7 @@ class Tensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import run_op
-
-        return run_op(func, args, kwargs or {})
+        return frontend.run_op(func, args, kwargs or {})
 
     # ------------------------------------------------------------------------------------------------- .data
     @property
@@ -69,39 +68,7 @@ class Tensor(torch.Tensor):
         keeps its ref, which on every rank now holds an alias of ``value`` (``DeleteRefs`` of the old value, then
         ``CallFunction(aten.alias)`` into the same ref). Raises ``TypeError`` (LOCAL_TENSOR, WRONG_MESH,
         WRONG_STREAM, DROPPED, BORROWED) for a value this handle cannot take."""
-        from ..protocol import ArgsKwargs, CallFunction, DeleteRefs
-        from .dispatch import op_path, propagating
-        from .stream import check_access
-
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"LOCAL_TENSOR: cannot set .data of remote tensor {self.ref!r} to a local {type(value).__name__}"
-            )
-        if value.mesh._session is not self.mesh._session or value.mesh._rank_list != self.mesh._rank_list:
-            raise TypeError(f"WRONG_MESH: cannot set .data of {self.ref!r} ({self.mesh!r}) to a tensor of {value.mesh!r}")
-        self.check_usable()
-        value.check_usable()
-        session = self.mesh._session
-        alias = torch.ops.aten.alias.default
-        with session.lock:
-            session.check_ok()
-            check_access(self.stream, [value, self], [self])
-            with propagating(), session.fake_mode:
-                fake = alias(value._fake)  # shares value's fake storage: the two are aliases from now on
-            ranks = self.mesh._rank_list
-            # the ref keeps its id (messages already queued pickle it when they are sent), so it is freed and
-            # written again, in that order, on every rank
-            session.send(DeleteRefs([self.ref]), ranks)
-            seq = session.new_seq()
-            session.record(seq, defs=[self], uses=[value], what=".data assignment")
-            session.send(
-                CallFunction(seq, [self.ref], (), op_path(alias), ArgsKwargs((value,), {}),
-                             self.stream.ref_for(session), ()),
-                ranks,
-            )
-            torch.Tensor.data.__set__(self, value)  # shape, strides, dtype and device, as torch does
-            old_fake, self._fake = self._fake, fake
-            session.retrack(self, old_fake)
+        frontend.assign_data(self, value)
 
     def __deepcopy__(self, memo):
         """``copy.deepcopy``: a remote copy of this tensor on the same mesh and stream (``clone()`` on every
@@ -120,15 +87,11 @@ class Tensor(torch.Tensor):
     # ---------------------------------------------------------------------------------------------- reductions
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out: "Tensor | None" = None):
         """``dask_monarch.reduce`` of this tensor; see there (spec §1 ``t.reduce``)."""
-        from .reduce import reduce_one
-
-        return reduce_one(self, dims, reduction, scatter, mesh, False, out)
+        return frontend.reduce_one(self, dims, reduction, scatter, mesh, False, out)
 
     def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> "Tensor":
         """In-place ``reduce``: this tensor holds the result afterwards, and is returned (spec §1)."""
-        from .reduce import reduce_one
-
-        return reduce_one(self, dims, reduction, scatter, mesh, True, None)
+        return frontend.reduce_one(self, dims, reduction, scatter, mesh, True, None)
 
     # ------------------------------------------------------------------------------------------------ lifetime
     @property
