@@ -28,8 +28,16 @@ class MonarchFuture:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self.status_seq = status_seq
         self._describe = describe
-        #: the Dask futures of the tasks this answer waits for (one per rank), e.g. for ``distributed.progress``
-        self.futures: list = []
+        #: rank -> the Dask future of the task that carries this wait's ``RequestStatus`` there, once submitted
+        self.tasks: dict = {}
+
+    @property
+    def futures(self) -> list:
+        """The Dask futures of the tasks this answer waits for (one per rank), e.g. for ``distributed.progress``;
+        tasks that wait to be submitted (``Session(task_interval=)``) are submitted now."""
+        if len(self.tasks) < self._session.world_size:
+            self._session.submit_tasks_of(self.status_seq)
+        return list(self.tasks.values())
 
     def done(self) -> bool:
         return self._future.done()

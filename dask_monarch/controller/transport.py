@@ -1,17 +1,18 @@
 """Transport of a session (``Session``'s concern ``Transport``; DESIGN.md "Performance design"): batching,
 flushing, and applying the answers.
 
-Messages are buffered and flushed as one pinned Dask task per worker: after ``max_batch`` messages, before any
-wait, and by a background flusher a few milliseconds after the first buffered message. Consecutive messages
-for the same set of ranks (and the same stream, for messages that run on one stream) form a segment that is
-pickled once and shared by every rank's task, so a message to every rank is serialized once
-(``protocol/batch.py``). Each rank's tasks carry an increasing batch number; the worker's inbox restores
-the order that Dask does not keep.
+Messages are buffered and flushed as one batch per worker: after ``max_batch`` messages, before any wait, and by a
+background flusher a few milliseconds after the first buffered message. Consecutive messages for the same set of
+ranks (and the same stream, for messages that run on one stream) form a segment that is pickled once and shared
+by every rank's batch, so a message to every rank is serialized once (``protocol/batch.py``). Each rank's batches
+carry an increasing number; the worker's inbox restores the order that Dask does not keep.
 
-Answers come back from the ``sync_batch`` tasks (keys ``monarch-fetch-...``, ``monarch-status-...``,
-``monarch-exit-...``; ``task_keys``), whose results feed ``History`` and the fetch futures. Each carries a
-numbered chunk of its worker's outbox, and a rank's chunks are applied in that order, whatever order Dask
-finishes the tasks in.
+Every batch travels as a pinned Dask task (keys ``monarch-messages-...``; ``monarch-fetch-...``,
+``monarch-status-...``, ``monarch-exit-...`` for a batch that ends with ``RequestStatus``: ``task_keys``). When the
+rank has an answer channel (``channel.py``), the batch is written on it at once, and its task waits up to
+``task_interval`` seconds, travelling with the rank's other batches of that time as one task (an exit's goes at
+once). The answers come back in numbered chunks of the worker's outbox, on the channel or in the ``sync_batch``
+tasks' results, and a rank's chunks are applied in that order, whichever way and in whatever order they come.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..protocol import (
     WorkerError,
 )
 from ..protocol import batch
-from ..worker.plugin import deliver_batch, sync_batch
+from ..worker.plugin import deliver_batch, deliver_batches, sync_batch, sync_batches
 from .answers import AnswerLost
 from .coalescing import HeldDelete, held_messages
 from .local import propagating
@@ -75,6 +76,10 @@ class Transport:
         #: with ``record_answers``: every controller message received, as (rank, message), in arrival order
         self.answers: deque | None = deque() if self._record_answers else None
         self._wake = threading.Event()
+        #: the answer channels (``channel.py``), or None (Dask config ``monarch.answer-channel: false``)
+        self.channels = None
+        self._later: list[list] = [[] for _ in range(self.world_size)]  # per rank: (batch, segments, sync) sent on
+        self._later_due: float | None = None  # its channel, whose task is not yet submitted; when to submit them
 
     # -------------------------------------------------------------------------------------------- sending
     def send(self, message, ranks=None) -> None:
@@ -120,8 +125,10 @@ class Transport:
             self._deletes.extend(deletes)  # refs dropped inside the block: freed after its messages
 
     def flush(self) -> None:
+        """Send what is buffered now, and submit the Dask tasks of every batch sent so far (``task_interval``)."""
         with self.lock:
             self._flush_locked(None)
+            self._submit_later()
 
     def _take_deletes(self) -> list:
         taken = []
@@ -139,64 +146,117 @@ class Transport:
             self.history.drop_ref(ref_id)
         return [(targets, DeleteRefs(refs)) for targets, refs in by_targets.items()]
 
-    def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status"):
-        """Send what is buffered as one task per rank (``monarch-messages-...``). With ``sync_seq``, every rank
-        gets a ``sync_batch`` task of ``kind`` (``task_keys``) ending with ``RequestStatus{sync_seq}`` (then
-        ``Exit`` if ``exit_after``) and the futures of those tasks are returned."""
+    def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status",
+                      tasks: dict | None = None) -> None:
+        """Send what is buffered as one batch per rank (a ``monarch-messages-...`` task). With ``sync_seq``, every
+        rank's batch ends with ``RequestStatus{sync_seq}`` (then ``Exit`` if ``exit_after``), and its task is a
+        ``sync_batch`` task of ``kind`` (``task_keys``), entered in ``tasks`` (rank -> Dask future) once submitted
+        (at once for a rank without a channel, and for an exit)."""
         items = self._buffer
         self._buffer = []
         self._wake.clear()
-        if len(self._storages) > 4 * 1024:
-            self._storages = {k: v for k, v in self._storages.items() if len(v)}
         items.extend(self._take_deletes())
         if sync_seq is not None:
             items.append((self._all, RequestStatus(sync_seq, False)))
             if exit_after:
                 items.append((self._all, Exit(None)))
         if not items:
-            return None
+            return
         # consecutive messages with the same targets (and stream, for stream messages) form one segment, pickled
         # once (protocol/batch.py)
         per_rank: list[list] = [[] for _ in range(self.world_size)]
         for targets, segment in batch.segments(items, dumps):
             for r in targets:
                 per_rank[r].append(segment)
-        futures = {}
+        channels = self.channels
         for rank, blobs in enumerate(per_rank):
             if not blobs:
                 continue
             bseq = self._batch_seq[rank]
             self._batch_seq[rank] = bseq + 1
-            common = dict(workers=[self.workers[rank]], allow_other_workers=False, pure=False, priority=-bseq)
-            if sync_seq is not None:
-                fut = self.client.submit(
-                    sync_batch, self.params[rank], bseq, blobs, sync_seq, exit_after,
-                    key=task_key("exit" if exit_after else kind, self.id, rank, bseq), **common,
-                )
-                self._answers.add(fut, sync=True)
-                futures[rank] = fut
+            sync = None if sync_seq is None else (sync_seq, "exit" if exit_after else kind, tasks)
+            self._later[rank].append((bseq, blobs, sync))
+            if channels is not None and channels.send(rank, bseq, blobs) and not exit_after:
+                if self._later_due is None:  # the flusher submits the tasks then
+                    self._later_due = time.monotonic() + self.task_interval
+                    self._wake.set()
+                continue
+            self._submit(rank)
+
+    def _submit(self, rank: int):
+        """Submit the batches of ``rank`` not yet sent as a task (``_later``) as one pinned task; returns its future."""
+        entries, self._later[rank] = self._later[rank], []
+        syncs = [sync for _, _, sync in entries if sync is not None]
+        common = dict(workers=[self.workers[rank]], allow_other_workers=False, pure=False, priority=-entries[0][0])
+        params, last = self.params[rank], entries[-1][0]
+        if syncs:
+            status_seq, kind = max(s[0] for s in syncs), syncs[-1][1]
+            key = task_key(kind, self.id, rank, last)
+            if len(entries) == 1:
+                fut = self.client.submit(sync_batch, params, last, entries[0][1], status_seq, kind == "exit", key=key,
+                                         **common)
             else:
-                fut = self.client.submit(
-                    deliver_batch, self.params[rank], bseq, blobs,
-                    key=task_key("messages", self.id, rank, bseq), **common,
-                )
-                self._answers.add(fut, sync=False)
-            inflight = self._inflight[rank]
-            inflight.append(fut)
-            while inflight and inflight[0].done():
-                inflight.popleft()
-        return futures
+                batches = [(b, segments) for b, segments, _ in entries]
+                fut = self.client.submit(sync_batches, params, batches, status_seq, kind == "exit", key=key, **common)
+        else:
+            key = task_key("messages", self.id, rank, last)
+            if len(entries) == 1:
+                fut = self.client.submit(deliver_batch, params, last, entries[0][1], key=key, **common)
+            else:
+                batches = [(b, segments) for b, segments, _ in entries]
+                fut = self.client.submit(deliver_batches, params, batches, key=key, **common)
+        self._answers.add(fut, sync=bool(syncs))
+        for _, _, tasks in syncs:
+            if tasks is not None:
+                tasks[rank] = fut
+        inflight = self._inflight[rank]
+        inflight.append(fut)
+        while inflight and inflight[0].done():
+            inflight.popleft()
+        return fut
+
+    def submit_tasks_of(self, status_seq: int) -> None:
+        """Submit now the Dask tasks that carry the ``RequestStatus{status_seq}`` batches (``MonarchFuture.futures``)."""
+        with self.lock:
+            for rank, entries in enumerate(self._later):
+                if any(sync is not None and sync[0] == status_seq for _, _, sync in entries):
+                    self._submit(rank)
+
+    def _submit_later(self) -> None:
+        """Submit every rank's batches that went on its channel and still wait for their task."""
+        self._later_due = None
+        for rank, entries in enumerate(self._later):
+            if entries:
+                self._submit(rank)
+
+    def _channel_lost(self, rank: int, error: BaseException) -> None:
+        """Rank ``rank``'s channel broke (on the event loop): its batches go as tasks at once from now on, and
+        the tasks of those already sent on it are submitted now (the flusher does it: no lock here)."""
+        logger.warning("dask_monarch: session %s: the answer channel to rank %d (%s) closed (%s: %s); its answers come "
+                       "back as Dask task results from now on", self._key, rank, self.workers[rank],
+                       type(error).__name__, error)
+        self._later_due = time.monotonic()
+        self._wake.set()
 
     def _flush_loop(self) -> None:
+        """The background flusher: flushes ``flush_interval`` seconds after a message is buffered into an empty
+        buffer, and submits the tasks of the batches sent on channels when they are due (``task_interval``)."""
         while not self.closed:
-            self._wake.wait()
+            due = self._later_due
+            woke = self._wake.wait(None if due is None else max(0.0, due - time.monotonic()))
             if self.closed:
                 return
-            time.sleep(self.flush_interval)
+            if woke and self._buffer:
+                time.sleep(self.flush_interval)
             try:
                 with self.lock:
-                    if self.failure is None and not self.closed:
-                        self._flush_locked(None)
+                    if self.failure is not None or self.closed:
+                        self._wake.clear()
+                        self._later_due = None
+                        continue
+                    self._flush_locked(None)
+                    if self._later_due is not None and time.monotonic() >= self._later_due:
+                        self._submit_later()
             except Exception as e:  # the client is gone: report it on the next use
                 self._fail(SessionError(f"session {self.id}: could not send a message batch: {e}"))
 
@@ -221,7 +281,7 @@ class Transport:
             self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
             return
         try:
-            chunk, messages = pickle.loads(self._answers.result(fut))
+            blobs = self._answers.result(fut)
         except AnswerLost as e:
             if self.failure is None:
                 self._fail(SessionError(
@@ -231,6 +291,21 @@ class Transport:
             return
         except Exception as e:
             self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
+            return
+        for blob in blobs:
+            self._on_chunk(rank, blob)
+
+    def _on_chunk(self, rank: int, blob: bytes) -> None:
+        """Apply answer chunk ``blob`` of rank ``rank`` (pickled ``(chunk, messages)``, from a task's result or the
+        rank's channel; on the answers thread). Each rank's chunks are applied in their order (Dask may finish two
+        status tasks of one rank in either order, and a chunk may come both ways: a Status applied before the
+        FetchResult it follows would resolve a fetch without its value); one that came already is ignored."""
+        try:
+            chunk, messages = pickle.loads(blob)
+        except Exception as e:
+            self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
+            return
+        if chunk is not None and (chunk < self._answers_next[rank] or chunk in self._answers_held[rank]):
             return
         messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
         note = ""
@@ -244,9 +319,6 @@ class Transport:
                 for msg in messages:
                     self._handle(rank, msg, note)
                 return
-            # apply each rank's answers in the order its worker took them (Dask may finish two status tasks of
-            # one rank in either order; a Status applied before the FetchResult it follows would resolve a fetch
-            # without its value)
             held = self._answers_held[rank]
             held[chunk] = (messages, note)
             while self._answers_next[rank] in held:
@@ -312,6 +384,10 @@ class Transport:
                 bseq = self._batch_seq[rank]
                 self._batch_seq[rank] = bseq + 1
                 try:
+                    if self._later[rank]:  # sent on the channel only: the exit must not wait behind them
+                        self._submit(rank)
+                    if self.channels is not None:
+                        self.channels.send(rank, bseq, [blob])
                     self._inflight[rank].append(self.client.submit(
                         deliver_batch, self.params[rank], bseq, [blob], key=task_key("exit", self.id, rank, bseq),
                         workers=[address], allow_other_workers=False, pure=False, priority=-bseq,
