@@ -20,11 +20,6 @@ from .history import History
 __all__ = ["Bookkeeping"]
 
 
-def _storage(tensor) -> int:
-    """The identity of a remote tensor's (fake) storage, shared by all its aliases."""
-    return tensor._fake.untyped_storage()._cdata
-
-
 class Bookkeeping:
     """The session's bookkeeping (a part of ``Session``; see the module's docstring). ``_init_bookkeeping`` makes
     its state: ``lock`` (the session's lock, an ``RLock``), ``history``, ``functions`` (seq -> what it called,
@@ -36,12 +31,11 @@ class Bookkeeping:
         self._next_seq = 0
         self._next_ref = 0
         self.functions: dict[int, str] = {}  # seq -> description of what it called, while incomplete
-        self._storages: dict[int, weakref.WeakSet] = {}
         #: streams of this session other than the default: ``Stream`` -> ``StreamRef`` (``controller/stream.py``)
         self.streams: dict = {}
         # weak, so that an undropped borrow can be garbage-collected (it then drops itself, deferred)
-        self._lent: dict[int, weakref.WeakSet] = {}  # fake storage of a borrowed tensor -> its live borrows
-        self._borrowed = weakref.WeakValueDictionary()  # fake storage of a borrow's tensor -> that borrow
+        self._lent: dict = {}  # ``Storage`` of a borrowed tensor -> its live borrows (a WeakSet)
+        self._borrowed = weakref.WeakValueDictionary()  # ``Storage`` of a borrow's tensor -> that borrow
         self._deferred: deque = deque()  # work the garbage collector left for the next send (Borrow.__del__)
         self._deletes: deque = deque()  # (targets tuple, ref id), appended from any thread (GC)
         #: the ``Recorder`` of a compiled function recording now (``controller/recording.py``): what its thread (and
@@ -76,51 +70,45 @@ class Bookkeeping:
 
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:
-        """Remember ``tensor`` among the live aliases of its (fake) storage."""
+        """Remember ``tensor`` among the live aliases of its storage (``storage.py``)."""
         if self.recorder is not None and self.recorder.owns_thread():
             self.recorder.created(tensor)
-        key = tensor._fake.untyped_storage()._cdata
-        aliases = self._storages.get(key)
-        if aliases is None:
-            aliases = self._storages[key] = weakref.WeakSet()
-        aliases.add(tensor)
+        tensor._storage.add(tensor)
 
-    def retrack(self, tensor, old_fake) -> None:
-        """``tensor``'s fake changed from ``old_fake`` (a ``.data`` assignment): move it to its new storage's aliases."""
-        key = old_fake.untyped_storage()._cdata
-        aliases = self._storages.get(key)
-        if aliases is not None:  # rebuilt: WeakSet.discard compares with ==, which is a remote op on tensors
-            self._storages[key] = weakref.WeakSet(t for t in aliases if t is not tensor)
+    def retrack(self, tensor, old_storage) -> None:
+        """``tensor`` moved from ``old_storage`` to its new one (a ``.data`` assignment)."""
+        old_storage.discard(tensor)
         self.track(tensor)
 
-    def aliases_of(self, tensors) -> list:
+    @staticmethod
+    def aliases_of(tensors) -> list:
         """Every live tensor that shares storage with one of ``tensors`` (these included), by ref id."""
         found = {}
         for t in tensors:
             found[t.ref.id] = t
-            for alias in self._storages.get(t._fake.untyped_storage()._cdata, ()):
+            for alias in t._storage.aliases():
                 found[alias.ref.id] = alias
         return list(found.values())
 
     # -------------------------------------------------------------------------------------------- borrows
     def lend(self, origin, borrow) -> None:
         """``borrow`` of ``origin`` is live (``controller/stream.py``)."""
-        self._lent.setdefault(_storage(origin), weakref.WeakSet()).add(borrow)
-        self._borrowed[_storage(borrow.tensor)] = borrow
+        self._lent.setdefault(origin._storage, weakref.WeakSet()).add(borrow)
+        self._borrowed[borrow.tensor._storage] = borrow
 
     def unlend(self, origin, borrow) -> None:
         """``borrow`` of ``origin`` was dropped."""
-        live = self._lent.get(_storage(origin))
+        live = self._lent.get(origin._storage)
         if live is not None:
             live.discard(borrow)
             if not live:
-                del self._lent[_storage(origin)]
-        self._borrowed.pop(_storage(borrow.tensor), None)
+                del self._lent[origin._storage]
+        self._borrowed.pop(borrow.tensor._storage, None)
 
     def borrows_of(self, tensor) -> list:
         """The live borrows of ``tensor``'s storage."""
         self.run_deferred()
-        return list(self._lent.get(_storage(tensor), ())) if self._lent else []
+        return list(self._lent.get(tensor._storage, ())) if self._lent else []
 
     def defer(self, fn) -> None:
         """Call ``fn()`` before the next message is sent (safe from the garbage collector: takes no lock)."""
@@ -137,7 +125,7 @@ class Bookkeeping:
 
     def borrow_by_alias(self, tensor):
         """The live borrow whose borrowed tensor shares ``tensor``'s storage, or None."""
-        return self._borrowed.get(_storage(tensor)) if self._borrowed else None
+        return self._borrowed.get(tensor._storage) if self._borrowed else None
 
     def record(self, seq: int, defs, uses, what="") -> None:
         """Add invocation ``seq``, which defines the remote tensors ``defs`` and uses ``uses``, to the dependency

@@ -29,48 +29,42 @@ _aten = torch.ops.aten
 #: operations that stay local on local tensors even under an active mesh (spec §1)
 _LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset))
 _LOCAL_NAMESPACES = frozenset(("profiler",))
-_paths: dict = {}
-_writes: dict = {}  # OpOverload -> (position, name, kwarg_only) of the arguments it writes
+#: per ``OpOverload``: (``FunctionPath``, name, whether it runs on the controller when no remote tensor is among its
+#: arguments under an active mesh)
+_ops: dict = {}
+
+
+def _op(func) -> tuple:
+    entry = _ops.get(func)
+    if entry is None:
+        name = func._schema.name.split("::")[-1]
+        path = FunctionPath(f"torch.ops.{func.namespace}.{name}.{func._overloadname}")
+        local = func.namespace in _LOCAL_NAMESPACES or func in _LOCAL_OPS
+        entry = _ops[func] = (path, str(func), local)
+    return entry
 
 
 def op_path(func) -> FunctionPath:
     """``FunctionPath("torch.ops.<namespace>.<op>.<overload>")`` of an ``OpOverload`` (cached)."""
-    path = _paths.get(func)
-    if path is None:
-        name = func._schema.name.split("::")[-1]
-        path = _paths[func] = FunctionPath(f"torch.ops.{func.namespace}.{name}.{func._overloadname}")
-    return path
+    return _op(func)[0]
 
 
 def run_op(func, args, kwargs, mesh=None):
     """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh)."""
-    if func is _aten._local_scalar_dense.default:
+    if func is _LOCAL_SCALAR:
         raise TypeError(
             "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
             "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
         )
+    path, name, _ = _ops.get(func) or _op(func)
     try:
-        return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh, writes=written_tensors(func, args, kwargs))
+        return call_on_mesh(path, name, func, args, kwargs, mesh, func)
     except TypeError as e:
         note_type_error(e)  # for the Python operators, where torch would hide it (tensor.py)
         raise
 
 
-def written_tensors(func, args, kwargs) -> list:
-    """The remote tensors that ``func`` writes, from its schema's alias annotations (``Tensor(a!)``): in-place and
-    ``out=`` ops. Under ``__torch_dispatch__`` the fake tensors' version counters do not move, so the propagation
-    cannot see these writes."""
-    written = _writes.get(func)
-    if written is None:
-        written = _writes[func] = tuple(
-            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    found = []
-    for i, name, kwarg_only in written:
-        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
-        found.extend(x for x in tree_flatten(value)[0] if isinstance(x, Tensor))
-    return found
+_LOCAL_SCALAR = _aten._local_scalar_dense.default
 
 
 class MeshDispatchMode(TorchDispatchMode):
@@ -79,8 +73,11 @@ class MeshDispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mesh = get_active_mesh()
-        if mesh is None or is_propagating() or func.namespace in _LOCAL_NAMESPACES or func in _LOCAL_OPS and not _has_remote(args):
+        if mesh is None or is_propagating():
             return func(*args, **kwargs)
+        if (_ops.get(func) or _op(func))[2]:  # profiler bookkeeping, and local reads of local tensors
+            if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
+                return func(*args, **kwargs)
         return run_op(func, args, kwargs, mesh)
 
 
@@ -120,8 +117,9 @@ def assign_data(tensor: Tensor, value) -> None:
             ranks,
         )
         torch.Tensor.data.__set__(tensor, value)  # shape, strides, dtype and device, as torch does
-        old_fake, tensor._fake = tensor._fake, fake
-        session.retrack(tensor, old_fake)
+        old_storage = tensor._storage
+        tensor._fake = fake
+        session.retrack(tensor, old_storage)
 
 
 frontend.dispatch_mode = MeshDispatchMode

@@ -1,8 +1,8 @@
 """``Tensor``: the controller's handle to a tensor that lives on every rank of a mesh (Monarch's ``Tensor``).
 
-It is a ``torch.Tensor`` subclass (a wrapper without storage) that knows its ``Ref``, its mesh and stream, and a
-fake tensor (``torch._subclasses.FakeTensor``) with the shape, dtype, strides and aliasing every rank's tensor
-has. Every torch operation on it runs on its mesh (``__torch_dispatch__``; spec §1 "Dispatch"), autograd included,
+It is a ``torch.Tensor`` subclass (a wrapper without storage) that knows its ``Ref``, its mesh and stream, the
+``Storage`` it views (its aliases share one), and, made when first needed, a fake tensor
+(``torch._subclasses.FakeTensor``) with the shape, dtype, strides and aliasing every rank's tensor has. Every torch operation on it runs on its mesh (``__torch_dispatch__``; spec §1 "Dispatch"), autograd included,
 which runs on the controller and sends each backward op to the mesh. It pickles as its ``Ref``, so passing it to a
 remote function sends the reference, and when the handle is garbage-collected the ref is freed on the workers
 (``DeleteRefs``). ``drop()`` frees it at once; a dropped tensor cannot be used again (``DROPPED``).
@@ -17,32 +17,35 @@ import torch
 
 from ..protocol import Ref
 from .mesh import frontend
+from .propagation import fake_view
+from .storage import Storage, storage_of
 
 __all__ = ["Tensor"]
 
 
+def _make(cls, size, stride, offset, dtype, device, requires_grad, layout):
+    return torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=offset, device=device,
+                                               dtype=dtype, layout=layout, requires_grad=requires_grad)
+
+
 class Tensor(torch.Tensor):
     """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream`` (a ``dask_monarch.Stream``). ``shape``/``dtype``/``device``/``stride()``
-    come from the controller's fake tensor ``_fake``. Fetch its value with ``dask_monarch.fetch_shard`` or
-    ``inspect``; ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
+    are every rank's; ``_storage`` is the ``Storage`` it views (``storage.py``) and ``_fake`` its fake tensor on
+    the controller, made when first needed. Fetch its value with ``dask_monarch.fetch_shard`` or ``inspect``;
+    ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
 
     # ops reach __torch_dispatch__ directly; autograd still runs above it on the controller
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, ref: Ref, fake: torch.Tensor, mesh, stream):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls,
-            fake.size(),
-            strides=fake.stride(),
-            storage_offset=fake.storage_offset(),
-            device=fake.device,
-            dtype=fake.dtype,
-            layout=fake.layout,
-            requires_grad=fake.requires_grad,
-        )
+        """The remote tensor ``ref`` with the metadata and storage of fake tensor ``fake``."""
+        meta = (tuple(fake.shape), fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
+        t = _make(cls, *meta, fake.requires_grad, fake.layout)
         t.ref = ref
-        t._fake = fake
+        t._storage = storage_of(fake)
+        t._meta = meta  # (size, stride, storage offset, dtype, device), as the cache keys of calls use it
+        t._fake_tensor = fake
         t.mesh = mesh
         t.stream = stream
         t._dropped_at = None
@@ -51,6 +54,39 @@ class Tensor(torch.Tensor):
 
     def __init__(self, ref: Ref, fake: torch.Tensor, mesh, stream):
         pass
+
+    @classmethod
+    def viewing(cls, ref: Ref, storage: Storage, meta: tuple, requires_grad: bool, mesh, stream) -> "Tensor":
+        """The remote tensor ``ref`` viewing ``storage`` with ``meta`` = ``(size, stride, storage offset, dtype,
+        device)``, without a fake tensor yet (the fast path of a call whose shapes are cached)."""
+        size, stride, offset, dtype, device = meta
+        t = _make(cls, size, stride, offset, dtype, device, requires_grad, torch.strided)
+        t.ref = ref
+        t._storage = storage
+        t._meta = meta
+        t._fake_tensor = None
+        t.mesh = mesh
+        t.stream = stream
+        t._dropped_at = None
+        mesh._session.track(t)
+        return t
+
+    @property
+    def _fake(self):
+        """The fake tensor (of the session's ``FakeTensorMode``) with this tensor's metadata, on its storage's meta
+        storage (made now if this tensor has none yet)."""
+        fake = self._fake_tensor
+        if fake is None:
+            size, stride, offset, dtype, device = self._meta
+            fake = self._fake_tensor = fake_view(self.mesh._session.fake_mode, self._storage.meta(), offset, size,
+                                                 stride, dtype, device)
+        return fake
+
+    @_fake.setter
+    def _fake(self, fake) -> None:
+        self._fake_tensor = fake
+        self._storage = storage_of(fake)
+        self._meta = (tuple(fake.shape), fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
