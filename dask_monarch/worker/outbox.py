@@ -17,12 +17,11 @@ chunks in that order (``controller/transport.py``), so they may travel two ways:
 from __future__ import annotations
 
 import collections
-import pickle
 import threading
 
 import cloudpickle
 
-from ..protocol import FetchResult, SessionFailed, Status, WorkerError
+from ..protocol import FetchResult, SessionFailed, Status, WorkerError, tensor_bytes
 
 __all__ = ["Outbox", "dumps_chunk"]
 
@@ -31,10 +30,10 @@ _PUSHED = (Status, SessionFailed)
 
 
 def dumps_chunk(chunk: int | None, messages: list, actor_id: str) -> bytes:
-    """Pickle ``(chunk, messages)``; a fetched value that cannot be pickled becomes that fetch's error, nothing
+    """Pickle ``(chunk, messages)`` (``protocol/tensor_bytes.py``); a fetched value that cannot be pickled becomes that fetch's error, nothing
     is lost."""
     try:
-        return pickle.dumps((chunk, messages), protocol=5)
+        return tensor_bytes.dumps((chunk, messages))  # a fetched CPU tensor as its bytes
     except Exception:
         pass
     safe = []
