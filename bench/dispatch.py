@@ -13,6 +13,8 @@ measured in the same run (DESIGN.md "Performance design").
 (b) the same op through the public ``remote()`` path (fake-tensor propagation on the controller).
 (c) a training step of examples/train_digits.py (gradient, ``reduce_`` avg over "dp", in-place SGD update) on a
     2-worker mesh vs the same step (same global batch) in this process.
+(h) the round trip of a fetch (``inspect``, ``fetch_shard``) and of a sync, 1 and 2 ranks, p50/p90
+    (``bench/latency.py``), against Dask's own direct request to a worker.
 (f), (g) compiled functions (``bench/compiled.py``): Monarch's 4096-op chain replayed from one recording vs local
     eager, and the digits step compiled vs local eager and vs a plain torch.distributed script on 2 gloo processes.
 
@@ -38,6 +40,8 @@ from pathlib import Path
 import torch
 from compiled import bench_chain, bench_digits, gloo_digits
 from compiled import rows as compiled_rows
+from latency import bench_all as bench_latency
+from latency import rows as latency_rows
 
 import dask_monarch as dm
 from dask_monarch.controller.session import DEFAULT_STREAM
@@ -46,6 +50,8 @@ from dask_monarch.protocol import ArgsKwargs, CallFunction, DeleteRefs, Function
 ADD = FunctionPath("torch.ops.aten.add.Tensor")
 CLOCK = FunctionPath("time.perf_counter")  # system-wide monotonic clock on Linux: comparable across processes
 TARGET = 50_000
+CALL_TARGET_US = 40  # issue 13: controller time per eager op / remote() call with cached shapes
+PROGRAM_TARGET_S = 0.25  # issue 13: the 2048-iteration chain eager, end to end
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
 
 
@@ -527,6 +533,7 @@ def main(argv=None) -> None:
             step = bench_train_step(two, n_steps, repeats)
         with dm.attach(client, dims={"dp": 2}) as two:
             digits_figures = bench_digits(two, n_steps, repeats)
+        latency_figures = bench_latency(client, 50 if args.quick else 300)
     except _RawOnly:
         pass
     finally:
@@ -557,7 +564,8 @@ def main(argv=None) -> None:
         rows += [
             ("(b) remote(aten.add), 1 worker", fmt_rate(rem["rate"], "op/s"), fmt_rate(local, "op/s"),
              f"{rem['rate'] / local:.4f}"),
-            ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us", "", ""),
+            ("    controller time per remote() call", f"{rem['call_us']:>11.0f} us     "
+             f"(target <= {CALL_TARGET_US} us: {'MET' if rem['call_us'] <= CALL_TARGET_US else 'NOT MET'})", "", ""),
             ("(c) digits train step, 2 workers", fmt_rate(step["rate"], "step/s"), fmt_rate(step["local"], "step/s"),
              f"{step['rate'] / step['local']:.4f}"),
             ("    controller time per step", f"{step['loop_ms']:>11.2f} ms     (nn.Module + SGD under activate(); "
@@ -566,10 +574,14 @@ def main(argv=None) -> None:
              "", ""),
             ("(d) torch op (x + x) under activate(), 1 worker", fmt_rate(disp["rate"], "op/s"),
              fmt_rate(disp["local"], "op/s"), f"{disp['rate'] / disp['local']:.4f}"),
-            ("    controller time per op", f"{disp['call_us']:>11.0f} us", "", ""),
+            ("    controller time per op", f"{disp['call_us']:>11.0f} us     "
+             f"(target <= {CALL_TARGET_US} us: {'MET' if disp['call_us'] <= CALL_TARGET_US else 'NOT MET'})", "", ""),
             (f"(e) {prog['ops']}-op program end to end, 1 worker", f"{prog['seconds']:>13.3f} s   ",
              f"{prog['local']:>15.4f} s   ", f"{prog['local'] / prog['seconds']:.4f}"),
+            (f"    target <= {PROGRAM_TARGET_S} s", f"{'MET' if prog['seconds'] <= PROGRAM_TARGET_S else 'NOT MET':>17}",
+             "", ""),
         ]
+        rows += latency_rows(latency_figures)
         rows += compiled_rows(chain_figures, digits_figures, step["local"], gloo_digits(2, n_steps))
     mode = ("quick" if args.quick else "full") + f", tiny ops on {DEVICE}"
     print(f"\ndask_monarch dispatch benchmark ({mode}; torch {torch.__version__}; {os.cpu_count()} cores; "
