@@ -404,3 +404,22 @@ def test_deepcopy_of_a_module_with_remote_parameters(mesh2x2):
     with dm.no_mesh.activate():
         assert torch.equal(a, b + 1)
     assert dm.fetch_shard(out).result(timeout=TIMEOUT).shape == (3, 1, 8)
+
+
+def test_default_dtype_follows_the_controller(mesh2x2):
+    """``torch.set_default_dtype`` on the controller reaches the workers (``Session.follow_default_dtype``): the
+    fetched values have the dtype the controller's tensors say, and the default goes back afterwards."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with mesh2x2.activate():
+            ones = torch.ones(2)
+            half = torch.arange(3) / 2  # integer true division: the default dtype
+        assert ones.dtype == torch.float64 and half.dtype == torch.float64
+        assert fetch(ones).dtype == torch.float64
+        assert torch.equal(fetch(half), torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64))
+    finally:
+        torch.set_default_dtype(before)
+    with mesh2x2.activate():
+        again = torch.ones(2)  # the same op and shapes as before: its cached plan must not keep float64
+    assert again.dtype == torch.float32 and fetch(again).dtype == torch.float32

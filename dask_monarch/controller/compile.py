@@ -5,7 +5,7 @@ The first call with a given *cache key* records: the function runs on the contro
 each tensor argument, and what its operations would send is captured instead (``recording.py``), defined on the
 ranks as a recording, and called. A later call with the same key sends one ``CallRecording`` per rank, which the
 workers replay at their own speed; the function's Python does not run again. The key is the non-tensor argument
-values, the active mesh and stream, grad mode and autocast, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout,
+values, the active mesh and stream, grad mode, autocast and the default dtype, each tensor argument's metadata (sizes, strides, offset, dtype, device, layout,
 mesh, stream, ``requires_grad``) and the pattern of aliasing among the tensor arguments and with the tensors the
 recording captured. Storage offsets count only relative to the other arguments on the same storage, so a batch
 sliced from a larger tensor at another row replays the same recording.
@@ -39,7 +39,8 @@ def _cache_key(leaves: list, spec, name: str) -> tuple:
     ``torch.Tensor`` (LOCAL_TENSOR), an argument that requires grad (REQUIRES_GRAD) or an unhashable value."""
     mesh = get_active_mesh()  # operations without tensor inputs (factories) run on the active mesh and stream
     parts = [spec, None if mesh is None else (id(mesh._session), mesh._rank_list, mesh.names), get_active_stream(),
-             torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")]
+             torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"),
+             torch.get_default_dtype()]
     tensors = []
     storages: dict = {}  # storage -> (its index, the storage offset of its first tensor)
     for i, x in enumerate(leaves):

@@ -128,11 +128,15 @@ class Propagator:
     def __init__(self, fake_mode):
         self.fake_mode = fake_mode
         self._plans: dict = {}
+        self._default_dtype = torch.get_default_dtype()  # the plans' outputs follow it: they go when it changes
         self.hits = 0
         self.misses = 0
 
     def plan(self, key) -> Plan | None:
         """The plan for ``key`` (counted as a hit), or None."""
+        if torch.get_default_dtype() is not self._default_dtype:
+            self._plans.clear()
+            self._default_dtype = torch.get_default_dtype()
         plan = self._plans.get(key)
         if plan is None or plan is _UNCACHEABLE:
             return None

@@ -219,6 +219,7 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
     with session.lock:
         session.check_ok()
         stream_ref = stream.ref_for(session)
+        session.follow_default_dtype(stream_ref)
         written = [inputs[i] for i in plan.written]
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written) if written else []
@@ -309,6 +310,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
             else:
                 results.append(None)
                 values.append(leaf)
+        session.follow_default_dtype(stream_ref)
         seq = session.new_seq()
         message = CallFunction(
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),

@@ -21,11 +21,12 @@ import time
 import uuid
 
 import dask
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import interpreter
 from ..exceptions import RemoteException, SessionError
-from ..protocol import CreateStream, StreamCreationMode, StreamRef
+from ..protocol import ArgsKwargs, CallFunction, CreateStream, FunctionPath, StreamCreationMode, StreamRef
 from ..worker.tensor_worker import SessionParams
 from .answers import Answers
 from .channel import Channels
@@ -37,6 +38,8 @@ from .propagation import Propagator
 from .transport import Transport
 
 __all__ = ["Session", "MonarchFuture", "DEFAULT_STREAM"]
+
+_SET_DEFAULT_DTYPE = FunctionPath("torch.set_default_dtype")
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -138,6 +141,8 @@ class Session(Transport, Bookkeeping, Liveness):
         self._init_transport()
         self.fake_mode = FakeTensorMode()
         self.propagator = Propagator(self.fake_mode)
+        #: torch's default dtype on the workers as far as this session set it (fresh Dask workers have float32)
+        self.default_dtype = torch.float32
         self._key = self.id[:8]
         self._close_lock = threading.Lock()
         self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
@@ -168,6 +173,22 @@ class Session(Transport, Bookkeeping, Liveness):
             raise SessionError(f"session {self.id} is closed (mesh.exit() was called)")
 
     # ------------------------------------------------------------------------------------------------ waits
+    def follow_default_dtype(self, stream_ref) -> None:
+        """Give the workers the controller's ``torch.get_default_dtype()`` before an operation is sent, if it
+        changed: the controller's fake tensors (output shapes and dtypes) follow the controller's default, so the
+        workers must too (factories such as ``torch.ones(2)``, an integer tensor's true division). Sent as a
+        ``CallFunction`` of ``torch.set_default_dtype`` on ``stream_ref`` to every rank; each worker puts its own
+        default back when the session ends there (``TensorWorker.close``). The default is one per process: two
+        sessions that share a worker and want different defaults at once get the later one's."""
+        dtype = torch.get_default_dtype()
+        if dtype is self.default_dtype:
+            return
+        with self.lock:
+            self.default_dtype = dtype
+            seq = self.new_seq()
+            self.record(seq, defs=[], uses=[], what="torch.set_default_dtype")
+            self.send(CallFunction(seq, (), (), _SET_DEFAULT_DTYPE, ArgsKwargs((dtype,), {}), stream_ref, ()))
+
     def sync(self, describe: str, on_done=None, exit_after: bool = False, kind: str = "status") -> MonarchFuture:
         """Flush, then ``RequestStatus`` on every rank. The returned future resolves once every rank has answered
         ``Status`` past it; ``on_done()`` (under the session lock) computes its value or raises. ``kind`` names

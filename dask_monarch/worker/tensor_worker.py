@@ -98,6 +98,7 @@ class TensorWorker:
     def __init__(self, worker, session_id: str, rank: int, world_size: int, options: dict | None = None,
                  on_close=None):
         options = dict(options or {})
+        self._default_dtype = torch.get_default_dtype()  # put back at close: a session may set it (follow_default_dtype)
         self.worker = worker
         self.session_id = session_id
         self.rank = rank
@@ -291,6 +292,8 @@ class TensorWorker:
         del streams
         if self.failure is None:
             _empty_cache(self.device)
+        if torch.get_default_dtype() is not self._default_dtype:
+            torch.set_default_dtype(self._default_dtype)
         with self._cond:
             self.closed = True
             self._cond.notify_all()
