@@ -172,6 +172,7 @@ class ActorMesh:
         self.cls = cls
         self._base = base
         self._futures = futures
+        self._stopped = False
         #: the Dask ``Actor`` proxies, one per rank in the mesh's rank order. Calling one directly runs the method
         #: on Dask's actor thread, outside the mesh's order, without mesh tensors (``worker/actors.py``)
         self.actors = proxies
@@ -187,8 +188,9 @@ class ActorMesh:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Wait up to ``timeout`` seconds until every rank has run the calls sent so far, then release the Dask
-        actors (Dask deletes each instance on its worker). A later call fails on the workers naming the actor."""
+        actors (Dask deletes each instance on its worker, soon after). A later call raises ``RuntimeError``."""
         session = self.mesh._session
+        self._stopped = True
         futures, self._futures = self._futures, []
         try:
             if futures and session.failure is None and not session.closed:
@@ -286,6 +288,8 @@ class Endpoint:
 
     def _send(self, args, kwargs, make, outputs: bool, ranks=None):
         actors = self._actors
+        if actors._stopped:
+            raise RuntimeError(f"{self._what}: the actors were stopped (ActorMesh.stop())")
         leaves, spec = tree_flatten((args, kwargs))
         mesh = _mesh_of(leaves, actors.mesh)
         session = actors.mesh._session
