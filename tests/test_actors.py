@@ -298,3 +298,35 @@ def test_an_actor_on_a_worker_that_dies_fails_the_session_naming_it():
             with pytest.raises(dm.SessionError):
                 faulty.fine.call()
             mesh.exit()  # already reported: exit cleans up without raising
+
+
+def test_the_example_runs_and_its_policy_learns(client2, tmp_path):
+    """``examples/actors_rl.py`` in a subprocess, as a user runs it, shortened, on this module's cluster (its
+    embedded-cluster path is train_digits' and the README snippets')."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "actors_rl.py"
+    proc = subprocess.run([sys.executable, str(example), "--steps", "30", "--scheduler", client2.scheduler.address], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"mean_reward=(-?\d+\.\d+) optimal=(-?\d+\.\d+) random=(-?\d+\.\d+)", last)
+    assert match, proc.stdout
+    reward, optimal, rand = map(float, match.groups())
+    assert reward > rand + 0.8 * (optimal - rand), proc.stdout  # far closer to the best arms than to chance
+
+
+def test_calls_that_wait_are_refused_inside_coalescing_and_rref_is_held_for_the_block(mesh):
+    log = mesh.spawn(Log)
+    with mesh.activate():
+        x = torch.ones(())
+        with dm.coalescing():
+            with pytest.raises(RuntimeError):
+                log.history.call()
+            log.push.broadcast(x)
+            y = log.doubled.rref(x)
+        assert dm.inspect(y).item() == 2.0
+        assert log.history.call().result(timeout=TIMEOUT) == [[1.0], [1.0]]

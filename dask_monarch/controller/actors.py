@@ -31,7 +31,6 @@ import re
 import time
 
 import dask
-from distributed import wait as dask_wait
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch
@@ -39,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..exceptions import RemoteException, SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
+from .coalescing import refuse_wait
 from .fetch import _rank_of
 from .local import propagating
 from .mesh import DeviceMesh, frontend
@@ -140,10 +140,10 @@ def _wait_constructed(session, cls, futures: dict) -> None:
     checking the mesh's liveness meanwhile. Raises the constructor's error naming the rank, ``SessionError``, or
     ``TimeoutError`` naming the ranks whose constructors did not finish."""
     timeout = float(dask.config.get("monarch.spawn-timeout", 300))
-    deadline = time.monotonic() + timeout
-    pending = list(futures.values())
+    start = time.monotonic()
+    checked = start
+    pause = 0.002
     while True:
-        dask_wait(pending, timeout=max(0.0, min(session.liveness_interval, deadline - time.monotonic())))
         for rank, fut in futures.items():
             if fut.status == "error":
                 raise RuntimeError(
@@ -152,14 +152,18 @@ def _wait_constructed(session, cls, futures: dict) -> None:
                 ) from fut.exception()
             if fut.status in ("cancelled", "lost"):
                 raise SessionError(f"spawn: the actor of rank {rank} ({session.workers[rank]}) was {fut.status}")
-        pending = [f for f in pending if not f.done()]
-        if not pending:
+        if all(fut.done() for fut in futures.values()):
             return
-        session.check_alive()
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now - checked >= session.liveness_interval:
+            checked = now
+            session.check_alive()
+        if now - start >= timeout:
             late = [f"rank {r} ({session.workers[r]})" for r, f in futures.items() if not f.done()]
             raise TimeoutError(f"spawn: {cls.__qualname__}(...) did not finish within {timeout:g} s (Dask config "
                                f"monarch.spawn-timeout) on {', '.join(late)}")
+        time.sleep(pause)
+        pause = min(0.05, 2 * pause)
 
 
 class ActorMesh:
@@ -260,6 +264,7 @@ class Endpoint:
 
     # ----------------------------------------------------------------------------------------------- sending
     def _ask(self, ranks: tuple, args, kwargs, one: bool):
+        refuse_wait(f"{self._what}.call")  # before sending: a refused call leaves nothing in the coalescing block
         seq, session, refs = self._send(args, kwargs, SendResultOfActorCall, outputs=False, ranks=ranks)
         workers = session.workers
         what = self._what
