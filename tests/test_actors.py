@@ -330,3 +330,31 @@ def test_calls_that_wait_are_refused_inside_coalescing_and_rref_is_held_for_the_
             y = log.doubled.rref(x)
         assert dm.inspect(y).item() == 2.0
         assert log.history.call().result(timeout=TIMEOUT) == [[1.0], [1.0]]
+
+
+class Broken:
+    def __init__(self, why):
+        raise ValueError(why)
+
+
+def test_a_constructor_that_raises_fails_spawn_naming_the_rank(mesh):
+    with pytest.raises(RuntimeError, match=r"Broken\(\.\.\.\) failed on rank 0 .*bad config") as info:
+        mesh.spawn(Broken, "bad config")
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_an_actor_call_runs_on_the_active_stream_with_that_streams_tensors(mesh):
+    side = dm.Stream("side")
+    log = mesh.spawn(Log)
+    with mesh.activate():
+        x = torch.ones(())
+        with side.activate():
+            y = torch.full((), 5.0) + mesh.rank("dp")
+            log.push.broadcast(y)
+            z = log.doubled.rref(y)
+            assert z.stream is side
+            with pytest.raises(TypeError, match="WRONG_STREAM"):
+                log.push.broadcast(x)
+        with side.activate():  # ordered after the push on the same stream (calls on two streams are not ordered)
+            assert log.history.call().result(timeout=TIMEOUT) == [[5.0], [6.0]]
+            assert dm.inspect(z, dp=1).item() == 12.0
