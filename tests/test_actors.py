@@ -256,6 +256,7 @@ def test_bad_input_is_refused_at_the_call(mesh):
     with pytest.raises(TypeError, match="not a parameter"):
         dm.as_endpoint(counter.incr, mutates=("y",)).broadcast(1)
     assert counter.incr.choose(1).result(timeout=TIMEOUT) == 0
+    assert counter.endpoint_of("incr").call_one(1, dp=1).result(timeout=TIMEOUT) == 0
 
 
 def test_a_stopped_actor_mesh_and_an_ended_session_free_the_dask_actors(client2, mesh):
@@ -338,7 +339,7 @@ class Broken:
 
 
 def test_a_constructor_that_raises_fails_spawn_naming_the_rank(mesh):
-    with pytest.raises(RuntimeError, match=r"Broken\(\.\.\.\) failed on rank 0 .*bad config") as info:
+    with pytest.raises(RuntimeError, match=r"Broken\(\.\.\.\) failed on rank [01] .*bad config") as info:
         mesh.spawn(Broken, "bad config")
     assert isinstance(info.value.__cause__, ValueError)
 

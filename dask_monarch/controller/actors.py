@@ -184,6 +184,12 @@ class ActorMesh:
     def __getattr__(self, name: str) -> "Endpoint":
         if name.startswith("_"):
             raise AttributeError(name)
+        return self.endpoint_of(name)
+
+    def endpoint_of(self, name: str) -> "Endpoint":
+        """The ``Endpoint`` of method ``name``: ``actors.name`` unless the name is one of ``ActorMesh``'s own
+        (``mesh``, ``cls``, ``actors``, ``stop``, ``endpoint_of``). ``AttributeError`` if the class has no such
+        method."""
         attr = getattr(self.cls, name, None)
         if attr is None or not callable(attr):
             raise AttributeError(f"{self.cls.__qualname__} has no method {name!r} to call through the mesh")
