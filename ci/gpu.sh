@@ -24,7 +24,7 @@ run() {  # name, seconds, command...
 for step in $steps; do
     case $step in
         info) run info 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.cuda.nccl.version())'" ;;
-        tests) run tests 420 $PY -m pytest -q -m gpu tests/test_gpu.py -rA -p no:cacheprovider ;;
+        tests) run tests 420 $PY -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_actors.py -rA -p no:cacheprovider ;;
         allreduce) run allreduce 300 $PY bench/allreduce.py ;;
         dispatch) run dispatch 300 $PY bench/dispatch.py --device cuda ;;
         train_lm) run train_lm 300 $PY bench/train_lm.py ;;

@@ -11,6 +11,10 @@ One Python program, the controller, drives PyTorch on a mesh of Dask workers::
 """
 
 from .controller import (
+    ActorMesh,
+    Endpoint,
+    as_endpoint,
+    endpoint,
     Borrow,
     DeviceMesh,
     MonarchFuture,
@@ -47,6 +51,10 @@ def dask_setup(server) -> None:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorMesh",
+    "Endpoint",
+    "as_endpoint",
+    "endpoint",
     "Borrow",
     "DeviceMesh",
     "MonarchFuture",

@@ -22,7 +22,7 @@ ORDER = [
     "session",
     "mesh",
     # the frontend
-    "tensor", "stream", "remote", "dispatch", "reduce", "fetch", "recording", "compile",
+    "tensor", "stream", "remote", "dispatch", "reduce", "fetch", "actors", "recording", "compile",
     # the public entry points
     "attach", "__init__",
 ]

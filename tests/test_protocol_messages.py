@@ -66,7 +66,7 @@ from dask_monarch.protocol import (
 S0, S1 = StreamRef(0), StreamRef(1)
 ADD = FunctionPath("torch.ops.aten.add.Tensor")
 FACTORY = Factory((2, 3), torch.float32)
-PARAMS = ActorCallParams(7, ("broker", 0), [Ref(1)], [Ref(2)], S0)
+PARAMS = ActorCallParams(7, ("broker", 0), [Ref(1)], [Ref(2)], S0, "forward", ArgsKwargs((Ref(1),), {}))
 
 
 def _samples() -> dict:
@@ -145,7 +145,7 @@ def test_a_bad_field_raises_protocol_error_naming_message_and_field(cls, field):
         (lambda: CreateDeviceMesh(Ref(1), ["x", 2], Slice.new_row_major([2, 2])), "CreateDeviceMesh.names[1]"),
         (lambda: CallFunction(0, [None], [], "torch.ones", ArgsKwargs(), S0, []), "CallFunction.function: expected"),
         (lambda: Exit(("actor", 3)), "Exit.error: expected None or a (actor id or None, message) tuple"),
-        (lambda: SendResultOfActorCall(ActorCallParams(1, ("b", -1), [], [], S0)), "ActorCallParams.broker_id"),
+        (lambda: SendResultOfActorCall(ActorCallParams(1, ("b", -1), [], [], S0, "m", ArgsKwargs())), "ActorCallParams.broker_id"),
     ],
 )
 def test_protocol_error_texts(build, text):

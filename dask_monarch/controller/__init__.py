@@ -5,6 +5,7 @@ Importing it imports every frontend module, each of which registers what ``Devic
 """
 
 from .attach import attach
+from .actors import ActorMesh, Endpoint, as_endpoint, endpoint
 from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
@@ -17,6 +18,10 @@ from .stream import Borrow, Stream, get_active_stream, main_stream
 from .tensor import Tensor
 
 __all__ = [
+    "ActorMesh",
+    "Endpoint",
+    "as_endpoint",
+    "endpoint",
     "Borrow",
     "DeviceMesh",
     "MonarchFuture",

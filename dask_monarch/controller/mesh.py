@@ -33,6 +33,8 @@ class Frontend:
     reduce_one = None
     #: ``remote.remote``: ``DeviceMesh.rank``
     remote = None
+    #: ``actors.spawn``: ``DeviceMesh.spawn``
+    spawn = None
 
 
 #: the frontend's operations (``Frontend``)
@@ -236,6 +238,15 @@ class DeviceMesh:
         names = (dims,) if isinstance(dims, str) else tuple(dims)
         self.size(names)
         return frontend.remote("dask_monarch.worker.device_mesh.rank_tensor", propagate=_rank_fake)(self, names)
+
+    def spawn(self, cls, *args, **kwargs):
+        """One actor ``cls(*args, **kwargs)`` per rank of this mesh, a Dask actor on that rank's worker (Monarch's
+        ``proc_mesh.spawn``; spec §2 ``SendResultOfActorCall``/``CallActorMethod``). Returns an ``ActorMesh``
+        whose ``actors.method.call(...)``, ``.call_one(...)``, ``.rref(...)``, ... run the method on the ranks'
+        streams in order with the tensor messages around it (``controller/actors.py``). Waits until every
+        constructor ran; raises ``TypeError`` for a remote tensor among the constructor's arguments, and the
+        constructor's error (``RuntimeError``, naming the rank) if it raised."""
+        return frontend.spawn(self, cls, *args, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- activation
     @contextlib.contextmanager

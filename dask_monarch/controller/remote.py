@@ -139,6 +139,17 @@ def _worker_view(x):
     return x.seen_from() if isinstance(x, DeviceMesh) else x
 
 
+def _as_views(out, args, kwargs):
+    """``out`` with every leaf that is one of the (fake) input tensors replaced by a view of it. A remote
+    function's result is a new ref on the workers even when it returns an argument (or its ``propagate`` does,
+    ``propagate=lambda x: x`` meaning "the shape of x"; spec §9 tensor_engine): the result carries the call's
+    failure and aliases the input, instead of being the input itself (what an in-place *op* returns)."""
+    inputs = {id(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+    if not inputs:
+        return out
+    return tree_map(lambda v: v.view(v.shape) if isinstance(v, torch.Tensor) and id(v) in inputs else v, out)
+
+
 class Remote:
     """A function bound for remote execution; call it with tensors of a mesh (or under ``mesh.activate()``).
 
@@ -168,12 +179,12 @@ class Remote:
         if self._propagate == "inspect":
             return None
         if callable(self._propagate):
-            return self._propagate(*args, **kwargs)
+            return _as_views(self._propagate(*args, **kwargs), args, kwargs)
         fn = resolve_path(self._fn) if isinstance(self._fn, str) else self._fn
         # the function itself, which on the workers gets their DeviceMesh (mesh.dims["dp"].rank): here it gets
         # that mesh as the first rank sees it (Monarch learns shapes by running it on shard 0)
         args, kwargs = tree_map(_worker_view, (args, kwargs))
-        return fn(*args, **kwargs)
+        return _as_views(fn(*args, **kwargs), args, kwargs)
 
     def __call__(self, *args, **kwargs):
         return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs)

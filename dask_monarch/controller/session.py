@@ -136,6 +136,8 @@ class Session(Transport, Bookkeeping, Liveness):
         self._failure_seen = False
         self.closed = False
         self._waiters: list[tuple] = []  # (status seq, MonarchFuture, on_done)
+        #: the Dask futures of this session's actors (``mesh.spawn``), released when the session stops
+        self.actor_futures: list = []
         self._record_answers = record_answers
         self._init_bookkeeping()
         self._init_transport()
@@ -237,6 +239,12 @@ class Session(Transport, Bookkeeping, Liveness):
         with self.lock:
             for inflight in self._inflight:
                 inflight.clear()
+            actor_futures, self.actor_futures = self.actor_futures, []
+        for fut in actor_futures:  # Dask deletes each actor on its worker (mesh.spawn)
+            try:
+                fut.release()
+            except Exception:  # the client is closing: the scheduler forgets its futures anyway
+                pass
         with self._release_lock:
             if not self._released:
                 self._released = True

@@ -71,7 +71,7 @@ class Transport:
         self._inflight: list = [deque() for _ in range(self.world_size)]
         self._answers_next = [0] * self.world_size  # per rank: the next outbox chunk to apply
         self._answers_held: list[dict] = [{} for _ in range(self.world_size)]  # chunks that came early
-        self._fetch_results: dict[int, FetchResult] = {}
+        self._fetch_results: dict[int, dict] = {}  # seq -> {rank: FetchResult}
         self.get_ref_results: deque = deque()
         #: with ``record_answers``: every controller message received, as (rank, message), in arrival order
         self.answers: deque | None = deque() if self._record_answers else None
@@ -363,7 +363,7 @@ class Transport:
             err = RemoteException(msg.seq, rank, self.workers[rank], msg.error.backtrace, str(what))
             self.history.fail(msg.seq, err)
         elif kind is FetchResult:
-            self._fetch_results[msg.seq] = msg
+            self._fetch_results.setdefault(msg.seq, {})[rank] = msg
         elif kind is GetRefResult:
             self.get_ref_results.append((rank, msg))
         elif kind is SessionFailed:
@@ -372,7 +372,13 @@ class Transport:
             logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)
 
     def take_fetch_result(self, seq: int) -> FetchResult | None:
-        return self._fetch_results.pop(seq, None)
+        """The ``FetchResult`` of ``seq`` (a fetch asks one rank), or None."""
+        answers = self._fetch_results.pop(seq, None)
+        return next(iter(answers.values())) if answers else None
+
+    def take_fetch_results(self, seq: int) -> dict:
+        """Every rank's ``FetchResult`` of ``seq`` (an actor call asks several): ``{rank: FetchResult}``."""
+        return self._fetch_results.pop(seq, None) or {}
 
     def _exit_remote(self, reason: str) -> None:
         """Best effort, no wait: ``Exit`` with an error to every rank whose worker is still there, so that peers

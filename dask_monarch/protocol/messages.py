@@ -495,25 +495,36 @@ class SendValue(_Validated):
 
 @_message
 class ActorCallParams(_Validated):
-    """Parameters of an actor call carrying tensors (seed ``ActorCallParams``)."""
+    """Parameters of a call of an actor's method on a stream (seed ``ActorCallParams``; spec §2 "Other variants").
+
+    ``broker_id`` is ``(base key, 0)``: the Dask actor of this call on global rank ``r`` is the one whose key is
+    ``f"{base}-{r}"`` (``mesh.spawn``), so one message serves every rank. ``local_state`` lists the refs among the
+    arguments (each rank passes its local tensors), ``mutates`` the refs the method writes. Unlike the seed, where
+    the method and its arguments travel in the actor's own message (its mailbox), here they travel in the call:
+    ``method`` (the attribute name) and ``args_kwargs`` (refs as leaves, resolved on the stream as for
+    ``CallFunction``, spec §8), because the stream itself runs the method, in its order."""
 
     seq: Seq
     broker_id: BrokerId
     local_state: list[Ref]
     mutates: list[Ref]
     stream: StreamRef
+    method: str
+    args_kwargs: ArgsKwargs
 
 
 @_message
 class SendResultOfActorCall(_Validated):
-    """Post ``local_state`` to a local actor and send its reply to the controller (spec §2)."""
+    """Run the actor method of ``params`` on its stream, in the stream's order, and answer ``FetchResult{seq}`` with
+    what it returned (tensors as CPU copies) or its error (spec §2; ``worker/actors.py``)."""
 
     params: ActorCallParams
 
 
 @_message
 class CallActorMethod(_Validated):
-    """Like ``SendResultOfActorCall``, storing the reply's leaves in ``results`` (spec §2)."""
+    """Like ``SendResultOfActorCall``, storing the leaves of what the method returned in ``results`` (flattened with
+    ``torch.utils._pytree``, as ``CallFunction``) instead of answering (spec §2; ``worker/actors.py``)."""
 
     results: list[Optional[Ref]]
     call: ActorCallParams

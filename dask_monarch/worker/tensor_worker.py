@@ -51,6 +51,7 @@ from ..protocol import (
     StreamRef,
     WorkerError,
 )
+from .actors import ActorCallStep
 from .borrow import Borrow, BorrowStep
 from .comm import CommError, Comms
 from .device import pin, select_device
@@ -142,8 +143,8 @@ class TensorWorker:
             SplitCommForProcessGroup: self.not_implemented,
             SendTensor: self.not_implemented,
             SendValue: self.send_value,
-            SendResultOfActorCall: self.not_implemented,
-            CallActorMethod: self.not_implemented,
+            SendResultOfActorCall: self.send_result_of_actor_call,
+            CallActorMethod: self.call_actor_method,
             PipeRecv: self.not_implemented,
             Exit: self.exit,
             DefineRecording: self.define_recording,
@@ -342,6 +343,15 @@ class TensorWorker:
     def send_value(self, msg: SendValue) -> None:
         stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, f"SendValue seq {msg.seq}")
         stream.enqueue(msg)
+
+    def send_result_of_actor_call(self, msg: SendResultOfActorCall) -> None:
+        """Run the actor method on ``msg.params.stream`` in its order; answer its result (``worker/actors.py``)."""
+        self._stream(msg.params.stream, f"SendResultOfActorCall seq {msg.params.seq}").enqueue(ActorCallStep(msg))
+
+    def call_actor_method(self, msg: CallActorMethod) -> None:
+        """Run the actor method on ``msg.call.stream`` in its order; store its result in ``msg.results``
+        (``worker/actors.py``)."""
+        self._stream(msg.call.stream, f"CallActorMethod seq {msg.call.seq}").enqueue(ActorCallStep(msg))
 
     def reduce(self, msg: Reduce) -> None:
         stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, "Reduce")
