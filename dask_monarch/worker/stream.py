@@ -155,6 +155,10 @@ class StreamWorker:
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
         self.replaying = None  # the ReplayCall this stream's thread is replaying (worker/replay.py), if any
+        #: the item the thread is applying (or applied last), and whether it is inside a batch: read by the
+        #: dashboard's heartbeat metric (``worker/activity.py``), set here with no clock and no lock
+        self.current = None
+        self.busy = False
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
         )
@@ -241,10 +245,12 @@ class StreamWorker:
                 return
             if tw.failure is not None:
                 continue
+            self.busy = True
             try:
                 for msg in items:
                     if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
                         break
+                    self.current = msg
                     if type(msg) is StreamSegment:
                         self.run_segment(msg, handlers)
                         continue
@@ -260,6 +266,8 @@ class StreamWorker:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
                 tw.fail(f"stream {self.ref.id}: unexpected error\n{traceback.format_exc()}")
+            finally:
+                self.busy = False
 
     def run_segment(self, segment: StreamSegment, handlers: dict) -> None:
         """Unpickle a ``StreamSegment`` here, on the stream's thread, and run its messages in order. A message that
@@ -271,6 +279,7 @@ class StreamWorker:
                 return
             if type(msg) not in STREAM_MESSAGES or msg.stream.id != sid:
                 raise FatalError(f"a segment for stream {sid} holds {type(msg).__name__} {msg!r:.200}")
+            self.current = msg
             handlers[type(msg)](msg)
             self.applied += 1
 
