@@ -158,6 +158,8 @@ class DashboardData:
                     else:
                         rank_rows["last_error"].append("")
                         rank_state = "running"
+                    if rank_state == "running" and info.get("ended"):
+                        rank_state = "ending"  # the scheduler ended it; the worker had not, at its last heartbeat
                     flagged = self._now(tag, rank, snap, stream_names, now_rows, stacks)
                     self._note_errors(session_id, tag, rank, snap)
                 else:
