@@ -1,10 +1,11 @@
 """What each thread of a tensor worker is applying now, and for how long; the Python stacks of those busy longer
 than the session's threshold (issue 18 "Where each rank is now"; spec/dask-notes.md §2 "Data feeds").
 
-The threads keep only what they keep anyway for this: a ``StreamWorker`` (and the dispatcher, ``TensorWorker``)
-stores the message it takes up in ``current`` and whether it is inside a batch in ``busy`` (two attribute stores,
-no clock, no lock on the per-message path; DESIGN.md "Performance design"). Everything else happens here, when the
-heartbeat metric is computed on the worker's event loop:
+The threads keep only this for it: a ``StreamWorker`` stores the message with a seq (or the borrow step) it takes
+up in ``current`` (its handlers do; ``DeleteRefs`` has no seq and never waits), the dispatcher (``TensorWorker``)
+every message it applies, and both whether they are inside a batch in ``busy``: one attribute store a message, no
+clock, no lock (DESIGN.md "Performance design"). Everything else happens here, when the heartbeat metric is
+computed on the worker's event loop:
 
 * a thread is on the same message as at the previous sample while ``current`` is the same object and its counter
   of messages applied is unchanged; it has been on it since the first sample that saw it, so a duration is a

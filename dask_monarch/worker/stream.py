@@ -155,8 +155,9 @@ class StreamWorker:
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
         self.replaying = None  # the ReplayCall this stream's thread is replaying (worker/replay.py), if any
-        #: the item the thread is applying (or applied last), and whether it is inside a batch: read by the
-        #: dashboard's heartbeat metric (``worker/activity.py``), set here with no clock and no lock
+        #: the message with a seq (or borrow step) the thread is applying or applied last, and whether it is inside
+        #: a batch: read by the dashboard's heartbeat metric (``worker/activity.py``), set by the handlers with no
+        #: clock and no lock (``DeleteRefs`` leaves it alone: it has no seq and never waits)
         self.current = None
         self.busy = False
         self.thread = threading.Thread(
@@ -236,7 +237,7 @@ class StreamWorker:
             DeleteRefs: self.delete_refs,
             SetRefUnitTestsOnly: self.set_ref,
             GetRefUnitTestsOnly: self.get_ref,
-            StatusBarrier: StatusBarrier.arrive,
+            StatusBarrier: self.status_barrier,
             BorrowStep: self.borrow_step,
         }
         while True:
@@ -250,12 +251,12 @@ class StreamWorker:
                 for msg in items:
                     if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
                         break
-                    self.current = msg
                     if type(msg) is StreamSegment:
                         self.run_segment(msg, handlers)
                         continue
                     handler = handlers.get(type(msg))
                     if handler is None:  # a queue item that runs itself here (a ReplayCall: worker/recording.py)
+                        self.current = msg
                         msg.run(self)
                     else:
                         handler(msg)
@@ -279,7 +280,6 @@ class StreamWorker:
                 return
             if type(msg) not in STREAM_MESSAGES or msg.stream.id != sid:
                 raise FatalError(f"a segment for stream {sid} holds {type(msg).__name__} {msg!r:.200}")
-            self.current = msg
             handlers[type(msg)](msg)
             self.applied += 1
 
@@ -365,6 +365,7 @@ class StreamWorker:
     # ----------------------------------------------------------------------------------------------- handlers
     def call_function(self, msg) -> None:
         """``CallFunction`` (spec §2 "Computation", steps 1-5)."""
+        self.current = msg
         try:
             function = msg.function
             if type(function) is FunctionPath and function.path == TEST_PANIC:
@@ -413,6 +414,7 @@ class StreamWorker:
 
     def send_value(self, msg) -> None:
         """``SendValue``: answer ``FetchResult`` with the value or the error (DESIGN.md "Decisions")."""
+        self.current = msg
         if msg.destination is not None:
             raise FatalError(f"SendValue seq {msg.seq}: destination {msg.destination} (pipes) is not supported")
         try:
@@ -456,7 +458,13 @@ class StreamWorker:
 
     def borrow_step(self, step: BorrowStep) -> None:
         """A step of a borrow (``Borrow.lend``, ``first_use``, ``last_use``, ``drop``; ``worker/borrow.py``)."""
+        self.current = step
         step.fn(self)
+
+    def status_barrier(self, barrier: StatusBarrier) -> None:
+        """This stream's arrival at a ``RequestStatus`` barrier."""
+        self.current = barrier
+        barrier.arrive()
 
     def delete_refs(self, msg) -> None:
         """``DeleteRefs``: drop what this stream has; missing refs are ignored (spec §2)."""
@@ -482,6 +490,7 @@ class StreamWorker:
     def reduce(self, msg) -> None:
         """``Reduce`` (spec §5 table). An errored input or ``out`` takes part as zeros, so peers never deadlock,
         and the result carries the error (DESIGN.md "Decisions")."""
+        self.current = msg
         mesh = self.tw.device_meshes.get(msg.mesh.id)
         if mesh is None:
             raise FatalError(f"Reduce: unknown device mesh {msg.mesh}")
