@@ -3,26 +3,31 @@
 
 The test reads what the browser shows: the rendered text of the page (Bokeh renders its tables inside shadow
 roots, so the text is collected through them) and the rows of the page's Bokeh document as synchronized to the
-browser. It saves a screenshot to ``build/screenshots/monarch-dashboard.png``. Skipped, with the reason, when
-Chromium, its driver or Selenium is missing (``.ci/run`` installs them).
+browser. It saves screenshots to ``build/screenshots/``: ``monarch-dashboard.png`` (a live session) and
+``monarch-dashboard-stuck.png`` (a rank made slow on purpose, flagged, with its stack). Skipped, with the reason,
+when Chromium, its driver or Selenium is missing (``.ci/run`` installs them).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import dask
 import pytest
 import torch
 
 import dask_monarch as dm
+from dask_monarch.controller.task_keys import session_tag
 from dask_monarch.dashboard.data import NO_SESSION
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOT = ROOT / "build" / "screenshots" / "monarch-dashboard.png"
+STUCK_SCREENSHOT = ROOT / "build" / "screenshots" / "monarch-dashboard-stuck.png"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists()
                                                 else None)
@@ -82,8 +87,33 @@ return JSON.stringify(out);
 """
 
 
+# The x values (ms) of the history lines, and the page's stacks and health text, as the browser holds them.
+LINES_JS = """
+if (!window.Bokeh || !Bokeh.documents || !Bokeh.documents.length) return null;
+const doc = Bokeh.documents[0];
+const out = {};
+for (const key of ['rates', 'queued', 'held']) {
+  const source = doc.get_model_by_name('monarch-' + key + '-source');
+  out[key] = source ? Array.from(source.data.xs || []).map(xs => Array.from(xs)) : null;
+}
+return JSON.stringify(out);
+"""
+
+
 def add_one(x):
     return x + 1
+
+
+def fail(x):
+    raise ValueError("boom from the browser test")
+
+
+def hold_rank_one(mesh, release: str, bound: float = 60.0):
+    """Rank 1 sleeps until the file ``release`` exists (at most ``bound`` s); the other ranks return at once."""
+    if mesh.dims["dp"].rank == 1:
+        deadline = time.monotonic() + bound
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -110,8 +140,9 @@ def wait_for(condition, what: str, driver, timeout: float = WAIT):
         if value:
             return value
         if time.monotonic() > deadline:
-            text = driver.execute_script(PAGE_TEXT_JS)
-            raise AssertionError(f"the page did not show {what} within {timeout:g} s; it shows:\n{text[:3000]}")
+            text = " ".join(driver.execute_script(PAGE_TEXT_JS).split())
+            text = text[max(0, text.find("dask_monarch")):]  # the page, after Dask's menu
+            raise AssertionError(f"the page did not show {what} within {timeout:g} s; it shows:\n{text[:4000]}")
         time.sleep(0.25)
 
 
@@ -129,8 +160,11 @@ def page_text_with(driver, *needles: str) -> str | None:
 def test_monarch_page_shows_live_session_in_chromium(client2, browser):
     port = client2.scheduler_info()["services"]["dashboard"]
     url = f"http://127.0.0.1:{port}/monarch"
-    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    with dask.config.set({"monarch.dashboard.stuck-after": 1.0}):  # rank 1 is flagged after 1 s on one message
+        mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
     workers = [mesh.workers[r] for r in range(2)]
+    tag = session_tag(mesh.session_id)
+    release = Path(tempfile.mkdtemp(prefix="monarch-release-")) / "release"
     try:
         side = dm.Stream("side")
         with mesh.activate():
@@ -138,6 +172,8 @@ def test_monarch_page_shows_live_session_in_chromium(client2, browser):
             with side.activate():
                 dm.remote(torch.ones)(1)
         dm.inspect(x)  # both ranks have run the session's first messages
+        time.sleep(2.0)  # heartbeats the scheduler samples with no page open
+        opened = time.time() * 1000.0
 
         browser.get(url)
         # the rank rows appear, rendered in the table, with the workers' addresses and counters
@@ -171,11 +207,49 @@ def test_monarch_page_shows_live_session_in_chromium(client2, browser):
             cut = [(title, text, column) for title, text, column in headers if text + 4 > column]
             assert len(headers) >= 20 and not cut, f"headers cut at a {width} px window: {cut}"
 
+        # a remote error: in the list, with its seq and rank, and counted on the health line
+        with mesh.activate():
+            bad = dm.remote(fail, propagate=lambda x: torch.empty_like(x))(x)
+        with pytest.raises(dm.RemoteException, match="boom from the browser test"):
+            dm.inspect(bad)
+        wait_for(lambda: page_text_with(browser, "ValueError: boom from the browser test", "2 remote errors"),
+                 "the remote error in the list and on the health line", browser)
+        # health at the top, with the links to Dask's pages and to the session's view
+        wait_for(lambda: page_text_with(browser, f"{tag} running", "msg/s", "Task Stream", "Workers", "Profile"),
+                 "the session's health line with its links", browser)
+        # history from before the page was opened, in each of the three plots
+        lines = json.loads(browser.execute_script(LINES_JS))
+        for key in ("rates", "queued", "held"):
+            before_open = [x for xs in lines[key] for x in xs if x < opened]
+            assert len(before_open) >= 4, f"{key}: no history from before the page opened ({lines[key]})"
+
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.set_window_size(1600, 1000)
         assert browser.save_screenshot(str(SCREENSHOT)), "could not save the screenshot"
         assert SCREENSHOT.stat().st_size > 10_000
+
+        # a rank made slow on purpose: flagged STUCK, its stack naming the sleeping function, shown as behind
+        with mesh.activate():
+            dm.remote(hold_rank_one, propagate="inspect")(mesh, str(release))
+            x = x + 1
+        mesh._session.flush()
+        text = wait_for(lambda: page_text_with(browser, "STUCK", "hold_rank_one", "time.sleep", "stuck: rank 1",
+                                               "slowest rank 1"), "rank 1 flagged with its stack", browser)
+        assert "CallFunction seq" in text
+        # the session's own view (mesh.dashboard_link) shows it too
+        browser.get(mesh.dashboard_link)
+        wait_for(lambda: page_text_with(browser, f"Session {tag}.", "STUCK", "hold_rank_one", "all sessions"),
+                 "the session's own view with the stuck rank", browser)
+        browser.set_window_size(1600, 2400)
+        assert browser.save_screenshot(str(STUCK_SCREENSHOT)), "could not save the screenshot"
+        assert STUCK_SCREENSHOT.stat().st_size > 10_000
+        release.touch()
+        assert dm.inspect(x).tolist() == [301.0] * 4
+        wait_for(lambda: (t := page_text_with(browser, "No rank is stuck")) and "STUCK" not in t,
+                 "the flag cleared once rank 1 moved on", browser)
+        browser.get(url)
     finally:
+        release.touch()
         mesh.exit()
 
     # the session ended: the page says so instead of showing empty tables

@@ -70,8 +70,9 @@ def test_script_without_main_guard_runs_on_the_embedded_cluster_and_exits_quietl
     proc = run_script(tmp_path, EXAMPLE.format(cluster=""))
     assert proc.stdout.splitlines()[:2] == EXPECTED
     assert_quiet(proc)
-    link = re.findall(r"^dask_monarch: 2 workers on this machine; dashboard: (http://127\.0\.0\.1:\d+/monarch)$",
-                      proc.stderr, re.MULTILINE)
+    link = re.findall(
+        r"^dask_monarch: 2 workers on this machine; dashboard: (http://127\.0\.0\.1:\d+/monarch\?session=[g-v]{8})$",
+        proc.stderr, re.MULTILINE)
     assert len(link) == 1, proc.stderr  # printed once, at attach
 
 
@@ -97,14 +98,15 @@ def test_notebook_style_exit_and_reattach_on_the_embedded_cluster_are_quiet(tmp_
 
 
 def test_embedded_mesh_has_client_and_dashboard_link_serving_the_page(tmp_path):
-    """``mesh.client`` is the embedded cluster's ``Client``; ``mesh.dashboard_link`` is the ``/monarch`` page, on
-    Dask's default port 8787 when it is free, else on another port without a warning; it answers while the
-    session runs."""
+    """``mesh.client`` is the embedded cluster's ``Client``; ``mesh.dashboard_link`` is its session's view of the
+    ``/monarch`` page (``?session=<tag>``), on Dask's default port 8787 when it is free, else on another port
+    without a warning; it answers while the session runs."""
     proc = run_script(tmp_path, """
         import socket, urllib.request
         import distributed
         import dask_monarch as dm
         from dask_monarch.cluster import DASHBOARD_PORT
+        from dask_monarch.controller.task_keys import session_tag
 
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,19 +119,23 @@ def test_embedded_mesh_has_client_and_dashboard_link_serving_the_page(tmp_path):
             assert isinstance(mesh.client, distributed.Client)
             assert mesh.client.submit(sum, [1, 2]).result() == 3        # ordinary Dask work beside the mesh
             link = mesh.dashboard_link
-            assert link.startswith("http://127.0.0.1:") and link.endswith("/monarch"), link
+            assert link.startswith("http://127.0.0.1:"), link
+            assert link.endswith(f"/monarch?session={session_tag(mesh.session_id)}"), link
             assert link == mesh.slice(w=0).dashboard_link
             if free:
-                assert link == f"http://127.0.0.1:{DASHBOARD_PORT}/monarch", link
+                assert link.startswith(f"http://127.0.0.1:{DASHBOARD_PORT}/monarch?session="), link
             page = urllib.request.urlopen(link, timeout=30)
             print("page", page.status, 'href="individual-monarch"' in page.read().decode())
+            assert urllib.request.urlopen(link.split("?")[0], timeout=30).status == 200   # every session's view
             with dm.attach(dims={"w": 1}) as other:   # 8787 is taken now: another port, without a word
-                assert other.dashboard_link != link and other.dashboard_link.endswith("/monarch")
+                assert other.dashboard_link.split("/monarch")[0] != link.split("/monarch")[0]
+                assert other.dashboard_link.endswith(f"/monarch?session={session_tag(other.session_id)}")
                 print("other page", urllib.request.urlopen(other.dashboard_link, timeout=30).status)
     """)
     assert "page 200 True" in proc.stdout.splitlines() and "other page 200" in proc.stdout.splitlines()
     assert_quiet(proc)
-    assert len(re.findall(r"dashboard: http://127\.0\.0\.1:\d+/monarch$", proc.stderr, re.MULTILINE)) == 2
+    assert len(re.findall(r"dashboard: http://127\.0\.0\.1:\d+/monarch\?session=[g-v]{8}$", proc.stderr,
+                          re.MULTILINE)) == 2
 
 
 # ----------------------------------------------------------------------------------------- an existing cluster

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
+from .task_keys import session_tag
 
 __all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh"]
 
@@ -111,15 +112,17 @@ class DeviceMesh:
 
     @property
     def dashboard_link(self) -> str | None:
-        """The URL of the ``/monarch`` page on the scheduler's dashboard (Dask's ``client.dashboard_link``, whose
-        page is ``/status``, with the last path part replaced), or None if the scheduler has no dashboard."""
+        """The URL of this session's view of the ``/monarch`` page on the scheduler's dashboard,
+        ``.../monarch?session=<tag>`` (Dask's ``client.dashboard_link``, whose page is ``/status``, with the last path
+        part replaced; the tag is the session's in task keys, ``task_keys.session_tag``), or None if the scheduler
+        has no dashboard. ``/monarch`` alone shows every session of the cluster."""
         try:
             link = self._session.client.dashboard_link
         except (KeyError, AttributeError, TypeError):
             return None
         if not link:
             return None
-        return link.rsplit("/", 1)[0] + "/monarch"
+        return link.rsplit("/", 1)[0] + f"/monarch?session={session_tag(self._session.id)}"
 
     @property
     def workers(self) -> dict:

@@ -78,7 +78,10 @@ class Session(Transport, Bookkeeping, Liveness):
     ``monarch.answer-channel``, else True); ``task_interval`` (seconds) is how long a batch sent on a channel may
     wait before its Dask task is submitted (the batches of a rank in that time travel as one task);
     ``record_answers`` keeps every controller message received in ``answers`` (for tests and debugging);
-    ``session_id`` is the id to use (default: a new uuid; attach registers it with the scheduler first).
+    ``session_id`` is the id to use (default: a new uuid; attach registers it with the scheduler first). Dask
+    config ``monarch.dashboard.stuck-after`` (seconds, default 60) is how long a rank may be busy on one message
+    before the ``/monarch`` page flags it and shows its stream threads' stacks (``ValueError`` if not a positive
+    number).
 
     Low-level use (tests, tools): ``send(message, ranks)`` queues any ``WorkerMessage``; ``sync(...).result()``
     waits until every rank has applied everything sent before.
@@ -111,6 +114,12 @@ class Session(Transport, Bookkeeping, Liveness):
             answer_channel = dask.config.get("monarch.answer-channel", True)
         if not isinstance(answer_channel, bool):
             raise ValueError(f"answer_channel (Dask config monarch.answer-channel) must be a bool, got {answer_channel!r}")
+        stuck_after = dask.config.get("monarch.dashboard.stuck-after", 60.0)
+        if (isinstance(stuck_after, bool) or not isinstance(stuck_after, (int, float))
+                or not 0 < stuck_after < math.inf):
+            raise ValueError(
+                f"Dask config monarch.dashboard.stuck-after must be a positive number of seconds, got {stuck_after!r}"
+            )
         if type(max_batch) is not int or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         self.id = session_id or uuid.uuid4().hex
@@ -125,7 +134,8 @@ class Session(Transport, Bookkeeping, Liveness):
         self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
         self.pin_workers()
         ids = self._worker_ids or {}
-        options = {"comm_timeout": float(comm_timeout)}
+        # stuck_after: how long a rank may be busy on one message before the dashboard flags it and shows its stacks
+        options = {"comm_timeout": float(comm_timeout), "stuck_after": float(stuck_after)}
         # each rank's tasks name the worker process they are for: one restarted at the same address refuses them
         self.params = [
             SessionParams(self.id, r, self.world_size, {**options, "local_rank": local, "worker_id": ids.get(a)})

@@ -27,13 +27,14 @@ SAMPLE_MS = 500
 
 
 def read_scheduler(scheduler) -> tuple[dict, dict]:
-    """``(sessions, metrics)`` for ``DashboardData.update``: the scheduler plugin's session table and each
-    worker's ``metrics["monarch"]`` from its last heartbeat."""
+    """``(sessions, metrics)`` for ``DashboardData.update``: the scheduler plugin's session table (the sessions
+    that ended lately too, with ``ended`` and ``reason``) and each worker's ``metrics["monarch"]`` from its last
+    heartbeat."""
     from ..scheduler.plugin import PLUGIN_NAME
     from ..worker.plugin import METRICS_KEY
 
     plugin = scheduler.plugins.get(PLUGIN_NAME)
-    sessions = dict(getattr(plugin, "sessions", None) or {})
+    sessions = {**(getattr(plugin, "ended", None) or {}), **(getattr(plugin, "sessions", None) or {})}
     metrics = {address: (ws.metrics or {}).get(METRICS_KEY) for address, ws in list(scheduler.workers.items())}
     return sessions, metrics
 

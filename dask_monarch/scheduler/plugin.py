@@ -24,6 +24,8 @@ __all__ = ["MonarchSchedulerPlugin", "PLUGIN_NAME"]
 logger = logging.getLogger("dask_monarch.scheduler")
 
 PLUGIN_NAME = "dask-monarch"
+#: ended sessions kept for the dashboard (the newest), with their end time and reason
+ENDED_KEPT = 8
 
 
 class MonarchSchedulerPlugin(SchedulerPlugin):
@@ -36,6 +38,9 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
     def __init__(self):
         self.kv: KeyValueStore | None = None
         self.sessions: dict[str, dict] = {}
+        #: the last ``ENDED_KEPT`` sessions that ended: their table entry plus ``ended`` (time) and ``reason`` (why
+        #: the controller ended it, None after a clean exit), for the dashboard
+        self.ended: dict[str, dict] = {}
         self.scheduler = None
         #: the ``/monarch`` page's rows and rate history, sampled from the plugin's start (every page shares it)
         self.dashboard = None
@@ -125,6 +130,9 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         inbox, which a rank blocked in comm setup does not read. Returns the number of keys deleted."""
         info = self.sessions.pop(session_id, None)
         if info is not None:
+            self.ended[session_id] = {**info, "ended": time.time(), "reason": reason}
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.pop(next(iter(self.ended)))
             self._end_on_workers(session_id, info, reason or "the controller ended the session")
         return await self.kv.abort(f"{session_id}/")
 

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from . import activity
+
 __all__ = ["worker_snapshot", "session_snapshot", "held_bytes", "summary"]
 
 _CLOSED_SHOWN = 16  # ended sessions reported (with their failure, if any), newest last
@@ -33,12 +35,15 @@ def _copy(view) -> list:
 
 def summary(text: str | None) -> str | None:
     """One line for an error report: its first line, and its last line when they differ (a traceback's
-    exception), at most 300 characters."""
+    exception), at most 300 characters; of a bare traceback (``Traceback (most recent call last): ...``) only
+    its last line, the exception."""
     if not text:
         return text
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return ""
+    if lines[0].startswith("Traceback (most recent call last)"):  # a bare traceback: its exception says it all
+        lines = lines[-1:]
     line = lines[0] if len(lines) == 1 or lines[-1] == lines[0] else f"{lines[0]} … {lines[-1]}"
     return line if len(line) <= _SUMMARY_CHARS else line[: _SUMMARY_CHARS - 1] + "…"
 
@@ -68,8 +73,12 @@ def held_bytes(tw) -> int:
     return total
 
 
-def session_snapshot(tw) -> dict:
-    """The numbers of one ``TensorWorker`` (one rank of one session)."""
+def session_snapshot(tw, with_stacks: bool = True) -> dict:
+    """The numbers of one ``TensorWorker`` (one rank of one session). ``now``: what each stream and the
+    dispatcher is applying and for how long (``activity.observe``); ``progress``: the rank's position in seqs
+    (``activity.progress``); ``stacks``: its busy threads' Python stacks while one is flagged, else ``{}``
+    (``activity.stacks``; left out when ``with_stacks`` is false); ``recent_errors``: the newest root failures as
+    ``{"time": wall clock s, "seq", "text": summary}``."""
     streams = {}
     applied = queued = refs = 0
     for stream_id, stream in _copy(tw.streams.items()):
@@ -81,6 +90,7 @@ def session_snapshot(tw) -> dict:
         queued += backlog
         refs += n_refs
     last = tw.last_error
+    now = activity.observe(tw)
     return {
         "rank": tw.rank,
         "world_size": tw.world_size,
@@ -96,15 +106,19 @@ def session_snapshot(tw) -> dict:
         "errors": tw.errors,
         "last_error": None if last is None else {"seq": last[0], "text": summary(last[1])},
         "failure": summary(tw.failure),
+        "now": now,
+        "progress": activity.progress(tw, now),
+        "stacks": activity.stacks(tw, now) if with_stacks else {},
+        "recent_errors": [{"time": t, "seq": seq, "text": summary(text)} for t, seq, text in _copy(tw.recent_errors)],
     }
 
 
-def worker_snapshot(plugin) -> dict:
+def worker_snapshot(plugin, with_stacks: bool = True) -> dict:
     """The heartbeat metric: ``{"time": worker clock, "sessions": {session id: session_snapshot},
     "closed": {session id: failure summary or None}}`` for the sessions that ended here most recently."""
     sessions = {}
     for session_id, tw in _copy(plugin.sessions.items()):
-        sessions[session_id] = session_snapshot(tw)
+        sessions[session_id] = session_snapshot(tw, with_stacks)
     closed = _copy(plugin.closed.items())[-_CLOSED_SHOWN:]
     return {
         "time": time.time(),

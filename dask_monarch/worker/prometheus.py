@@ -85,7 +85,7 @@ class MonarchCollector:
         for plugin in list(self.plugins):
             if not hasattr(plugin, "sessions"):
                 continue
-            snapshot = worker_snapshot(plugin)
+            snapshot = worker_snapshot(plugin, with_stacks=False)
             n_sessions += len(snapshot["sessions"])
             for failure in snapshot["closed"].values():
                 outcomes["failed" if failure else "exited"] += 1

@@ -155,6 +155,11 @@ class StreamWorker:
         self.cuda_stream = None  # the torch.cuda.Stream on GPU workers, set on the stream's thread
         self.comm = None  # this stream's communicator over all ranks, from BackendNetworkInit (spec §5)
         self.replaying = None  # the ReplayCall this stream's thread is replaying (worker/replay.py), if any
+        #: the message with a seq (or borrow step) the thread is applying or applied last, and whether it is inside
+        #: a batch: read by the dashboard's heartbeat metric (``worker/activity.py``), set by the handlers with no
+        #: clock and no lock (``DeleteRefs`` leaves it alone: it has no seq and never waits)
+        self.current = None
+        self.busy = False
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
         )
@@ -232,7 +237,7 @@ class StreamWorker:
             DeleteRefs: self.delete_refs,
             SetRefUnitTestsOnly: self.set_ref,
             GetRefUnitTestsOnly: self.get_ref,
-            StatusBarrier: StatusBarrier.arrive,
+            StatusBarrier: self.status_barrier,
             BorrowStep: self.borrow_step,
         }
         while True:
@@ -241,6 +246,7 @@ class StreamWorker:
                 return
             if tw.failure is not None:
                 continue
+            self.busy = True
             try:
                 for msg in items:
                     if tw.failure is not None:  # the session failed meanwhile: run none of its queued work
@@ -250,6 +256,7 @@ class StreamWorker:
                         continue
                     handler = handlers.get(type(msg))
                     if handler is None:  # a queue item that runs itself here (a ReplayCall: worker/recording.py)
+                        self.current = msg
                         msg.run(self)
                     else:
                         handler(msg)
@@ -260,6 +267,8 @@ class StreamWorker:
                 tw.fail(f"stream {self.ref.id}: {e}")
             except BaseException:
                 tw.fail(f"stream {self.ref.id}: unexpected error\n{traceback.format_exc()}")
+            finally:
+                self.busy = False
 
     def run_segment(self, segment: StreamSegment, handlers: dict) -> None:
         """Unpickle a ``StreamSegment`` here, on the stream's thread, and run its messages in order. A message that
@@ -356,6 +365,7 @@ class StreamWorker:
     # ----------------------------------------------------------------------------------------------- handlers
     def call_function(self, msg) -> None:
         """``CallFunction`` (spec §2 "Computation", steps 1-5)."""
+        self.current = msg
         try:
             function = msg.function
             if type(function) is FunctionPath and function.path == TEST_PANIC:
@@ -404,6 +414,7 @@ class StreamWorker:
 
     def send_value(self, msg) -> None:
         """``SendValue``: answer ``FetchResult`` with the value or the error (DESIGN.md "Decisions")."""
+        self.current = msg
         if msg.destination is not None:
             raise FatalError(f"SendValue seq {msg.seq}: destination {msg.destination} (pipes) is not supported")
         try:
@@ -447,7 +458,13 @@ class StreamWorker:
 
     def borrow_step(self, step: BorrowStep) -> None:
         """A step of a borrow (``Borrow.lend``, ``first_use``, ``last_use``, ``drop``; ``worker/borrow.py``)."""
+        self.current = step
         step.fn(self)
+
+    def status_barrier(self, barrier: StatusBarrier) -> None:
+        """This stream's arrival at a ``RequestStatus`` barrier."""
+        self.current = barrier
+        barrier.arrive()
 
     def delete_refs(self, msg) -> None:
         """``DeleteRefs``: drop what this stream has; missing refs are ignored (spec §2)."""
@@ -473,6 +490,7 @@ class StreamWorker:
     def reduce(self, msg) -> None:
         """``Reduce`` (spec §5 table). An errored input or ``out`` takes part as zeros, so peers never deadlock,
         and the result carries the error (DESIGN.md "Decisions")."""
+        self.current = msg
         mesh = self.tw.device_meshes.get(msg.mesh.id)
         if mesh is None:
             raise FatalError(f"Reduce: unknown device mesh {msg.mesh}")

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
+from collections import deque
 
 import torch
 
@@ -62,9 +64,14 @@ from .outbox import Outbox
 from .recording import Definitions
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
-__all__ = ["TensorWorker", "SessionParams"]
+__all__ = ["TensorWorker", "SessionParams", "STUCK_AFTER", "RECENT_ERRORS"]
 
 logger = logging.getLogger("dask_monarch.worker")
+
+#: default of the session option ``stuck_after`` (Dask config ``monarch.dashboard.stuck-after``), seconds
+STUCK_AFTER = 60.0
+#: root failures remembered for the dashboard's list of remote errors (the newest)
+RECENT_ERRORS = 8
 
 
 def _empty_cache(device) -> None:
@@ -118,6 +125,13 @@ class TensorWorker:
         #: the last root failure reported (``(seq, text)``) and how many there were, for the dashboard
         self.last_error: tuple[int, str] | None = None
         self.errors = 0
+        #: the newest root failures, ``(wall time, seq, text)``, for the dashboard's list of remote errors
+        self.recent_errors: deque = deque(maxlen=RECENT_ERRORS)
+        self.stuck_after = float(options.get("stuck_after", STUCK_AFTER))
+        #: the message the dispatcher is applying (or applied last) and whether it is inside a batch
+        #: (``worker/activity.py``)
+        self.current = None
+        self.busy = False
         self.closed = False
         self._closing = False
         self.completed_seq = 0
@@ -166,6 +180,7 @@ class TensorWorker:
                 break
             if self.failure is not None or self.closed:
                 continue
+            self.busy = True
             try:
                 for segment in segments:
                     if type(segment) is tuple:  # (stream id, count, bytes): for that stream's thread to open
@@ -181,6 +196,7 @@ class TensorWorker:
             except BaseException:
                 self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
             finally:
+                self.busy = False
                 self.flush_streams()
         if self.failure is not None:
             self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
@@ -193,6 +209,7 @@ class TensorWorker:
             handler = handlers.get(type(msg))
             if handler is None:
                 raise FatalError(f"malformed message: expected a WorkerMessage, got {type(msg).__name__}")
+            self.current = msg
             handler(msg)
             if self.failure is not None or self.closed:
                 return
@@ -228,6 +245,7 @@ class TensorWorker:
         """Remember a root failure (``RemoteFunctionFailed``) for the dashboard; called on error paths only."""
         self.last_error = (seq, text)
         self.errors += 1
+        self.recent_errors.append((time.time(), seq, text))
 
     def emit_status(self, seq: int, controller: bool = False) -> None:
         self.report(Status(seq + 1, self.actor_id, controller))
