@@ -13,7 +13,9 @@ One Python program, the controller, drives PyTorch on a mesh of Dask workers::
 from .controller import (
     Borrow,
     DeviceMesh,
+    MeshSliceTensor,
     MonarchFuture,
+    RemoteProcessGroup,
     Stream,
     Tensor,
     attach,
@@ -28,6 +30,8 @@ from .controller import (
     reduce,
     reduce_,
     remote,
+    slice_mesh,
+    to_mesh,
 )
 from .exceptions import RemoteException, SessionError
 
@@ -49,8 +53,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Borrow",
     "DeviceMesh",
+    "MeshSliceTensor",
     "MonarchFuture",
     "RemoteException",
+    "RemoteProcessGroup",
     "SessionError",
     "Stream",
     "Tensor",
@@ -66,4 +72,6 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "slice_mesh",
+    "to_mesh",
 ]

@@ -218,6 +218,15 @@ class DeviceMesh:
         self.size(names)
         return remote("dask_monarch.worker.device_mesh.rank_tensor", propagate=_rank_fake)(self, names)
 
+    def process_group(self, dims) -> "RemoteProcessGroup":  # noqa: F821
+        """A process group over ``dims`` (a name or a tuple of names; ``()`` for all) of this mesh, for remote
+        functions: passed to one, it arrives on each rank as a ``torch.distributed.ProcessGroup`` over that
+        rank's peers along ``dims`` (``RemoteProcessGroup``; spec §1 "UDF process groups"). Raises ``KeyError``
+        for an unknown dim, ``ValueError`` for a repeated one."""
+        from .process_group import RemoteProcessGroup
+
+        return RemoteProcessGroup(self, dims)
+
     # ---------------------------------------------------------------------------------------------- activation
     @contextlib.contextmanager
     def activate(self):

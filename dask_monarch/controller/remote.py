@@ -25,6 +25,7 @@ from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, Pick
 from ..protocol.function import resolve_path
 from .dispatch import propagating
 from .mesh import DeviceMesh, get_active_mesh
+from .process_group import RemoteProcessGroup
 from .propagation import Propagator
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
@@ -125,7 +126,7 @@ def pack_leaves(leaves: list, where: str) -> list | None:
     workers cannot unpickle fails only that call there. None if every leaf travels as it is."""
     packed = None
     for i, x in enumerate(leaves):
-        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh)):
+        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh, RemoteProcessGroup)):
             continue
         if packed is None:
             packed = list(leaves)
@@ -135,7 +136,7 @@ def pack_leaves(leaves: list, where: str) -> list | None:
 
 
 def _worker_view(x):
-    return x.seen_from() if isinstance(x, DeviceMesh) else x
+    return x.seen_from() if isinstance(x, (DeviceMesh, RemoteProcessGroup)) else x
 
 
 class Remote:
@@ -198,6 +199,7 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()
     sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
     inputs = []
     fake_leaves = []
+    groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
     for x in leaves:
         if isinstance(x, Tensor):
             x.check_usable()
@@ -245,10 +247,12 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()
             else:
                 results.append(None)
                 values.append(leaf)
+        for group in groups:  # its communicator on this stream is built on its ranks before the call
+            group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
-            stream_ref, (),
+            stream_ref, tuple(g.ref for g in groups) if groups else (),
         )
         session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
@@ -297,14 +301,16 @@ def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
         mesh = default or get_active_mesh()
     if mesh is None:
         for x in leaves:
-            if isinstance(x, DeviceMesh):
-                mesh = x
+            if isinstance(x, (DeviceMesh, RemoteProcessGroup)):
+                mesh = x if isinstance(x, DeviceMesh) else x.mesh
                 break
         else:
             raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
     for x in leaves:
         if isinstance(x, DeviceMesh) and x._session is not mesh._session:
             raise _wrong_session(f"mesh argument {x!r}", mesh, x)
+        if isinstance(x, RemoteProcessGroup) and x.mesh._session is not mesh._session:
+            raise _wrong_session(f"process group argument {x!r}", mesh, x.mesh)
     return mesh
 
 

@@ -130,6 +130,22 @@ class Tensor(torch.Tensor):
 
         return reduce_one(self, dims, reduction, scatter, mesh, True, None)
 
+    # ---------------------------------------------------------------------------------------------- movement
+    def to_mesh(self, mesh, stream=None) -> "Tensor":
+        """A copy of this tensor on ``mesh`` (on ``stream``, default this tensor's): ``dask_monarch.to_mesh``;
+        see there (spec §1 "to_mesh")."""
+        from .to_mesh import send
+
+        return send(self, self.mesh, mesh, stream)
+
+    def slice_mesh(self, **selection):
+        """This tensor restricted to ``self.mesh.slice(**selection)``, as the source of a ``.to_mesh(...)``
+        (Monarch's ``MeshSliceTensor``; spec §1 "to_mesh")."""
+        from .to_mesh import MeshSliceTensor
+
+        self.check_usable()
+        return MeshSliceTensor(self, self.mesh.slice(**selection))
+
     # ------------------------------------------------------------------------------------------------ lifetime
     @property
     def dropped(self) -> bool:

@@ -37,7 +37,7 @@ class Call:
     """A prepared ``CallFunction``: ``run`` looks up the ref arguments, calls, and stores the result leaves."""
 
     __slots__ = ("msg", "index", "name", "fn", "error", "args", "slots", "nested", "kwargs", "nested_kwargs",
-                 "single", "results", "mutates")
+                 "single", "results", "mutates", "groups")
 
     def __init__(self, msg):
         self.msg = msg
@@ -67,11 +67,16 @@ class Call:
             )
         self.fn = fn
         meshes = tw.device_meshes
+        # the process groups among the arguments, bound once: the controller split them before the definition
+        self.groups = groups = tw.process_groups.for_call(
+            msg.remote_process_groups, msg.stream.id, f"CallFunction {msg.seq}") if msg.remote_process_groups else {}
         args, slots, nested = [], [], []
         for pos, a in enumerate(msg.args_kwargs.args):
             t = type(a)
             if t is Ref:
-                if a.id in meshes:
+                if a.id in groups:
+                    args.append(groups[a.id])
+                elif a.id in meshes:
                     args.append(meshes[a.id])
                 else:
                     args.append(None)
@@ -178,10 +183,10 @@ class Call:
                     raise DependentError(value)
                 args[pos] = value
             for pos, obj in self.nested:
-                args[pos] = stream._resolve(obj, True)
+                args[pos] = stream._resolve(obj, True, self.groups)
         kwargs = self.kwargs
         if self.nested_kwargs:
-            kwargs = {k: stream._resolve(v, True) for k, v in kwargs.items()}
+            kwargs = {k: stream._resolve(v, True, self.groups) for k, v in kwargs.items()}
         out = self.fn(*args, **kwargs)
         if self.single is not None and type(out) is _TENSOR:
             env[self.single] = out
