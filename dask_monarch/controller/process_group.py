@@ -102,6 +102,11 @@ class RemoteProcessGroup:
             self._stand_in = _stand_in(view.get_ranks_for_dim_slice(sorted(self.dims)), view.me)
         return self._stand_in
 
+    def propagation_key(self) -> tuple:
+        """What the output shapes of a call may depend on (``Propagator.key``): not the object itself, which the
+        cache would keep alive."""
+        return ("process group", self.mesh.names, self.mesh._rank_list, tuple(sorted(self.dims)))
+
     def __monarch_ref__(self) -> int:
         return self.ref.id
 

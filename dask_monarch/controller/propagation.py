@@ -67,6 +67,8 @@ class Propagator:
                 parts.append(("mesh", id(x)))
             elif isinstance(x, torch.Tensor):
                 return None
+            elif hasattr(t, "propagation_key"):  # an object whose key must not keep it alive (a process group)
+                parts.append(x.propagation_key())
             else:
                 try:
                     hash(x)
