@@ -147,6 +147,16 @@ class Comms:
         (which must start with ``key``); released with the session's others."""
         return self._new_group(prefix, members)
 
+    def post(self, what: str, start):
+        """``start()`` (which posts operations on the session's groups and returns their works), unless the session
+        has stopped: then ``CommError``. Under the lock that ``shutdown``/``abort`` take to stop, so an operation is
+        either refused or posted before the groups' connections are shut down (which then fails it): a gloo
+        send posted on a pair already shut down would wait for ``comm_timeout``."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise CommError(f"{what} abandoned: {self.stop_reason}")
+            return start()
+
     def release(self, group) -> None:
         """Release ``group`` now, before the session ends (its last user is done with it)."""
         with self._lock:

@@ -211,13 +211,33 @@ def _transfer(p: Plan, value, buffer, comms) -> None:
     what = f"SendTensor into {p.msg.result} (" + " and ".join(peers) + ")"
     try:
         try:
-            works = dist.batch_isend_irecv(ops)
+            works = comms.post(what, lambda: dist.batch_isend_irecv(ops))
+        except comm.CommError:
+            raise
         except Exception as e:
             raise comm.CommError(f"{what} could not start: {type(e).__name__}: {e}") from None
         for work in works:
-            comm._wait(work, what, f"ranks {p.me}, {p.to_rank if value is not None else p.from_rank}", comms)
+            _wait(work, what, comms)
     except comm.CommError as e:
         raise FatalError(str(e)) from None
+
+
+def _wait(work, what: str, comms) -> None:
+    """Wait for a point-to-point ``work`` until it is done. Not in slices as ``comm._wait`` waits for
+    collectives: a gloo receive whose wait times out closes its pair ("Application timeout caused pair
+    closure"). The group's own timeout (``comm_timeout``) bounds it, and ``Comms.abort`` ends it at once (it
+    shuts the group's connections down)."""
+    try:
+        work.wait()
+    except Exception as e:
+        if comms.stopped.is_set():
+            raise comm.CommError(f"{what} abandoned: {comms.stop_reason}") from None
+        if "imeout" in str(e) or "imed out" in str(e):
+            raise comm.CommError(
+                f"{what} did not complete within comm_timeout={comms.timeout:g} s: the peer did not reach it in time "
+                f"(still busy with earlier work, stopped, or not at this transfer): {type(e).__name__}: {e}"
+            ) from None
+        raise comm.CommError(f"{what} failed: {type(e).__name__}: {e}") from None
 
 
 def _store(stream, p: Plan, value) -> None:
