@@ -332,3 +332,19 @@ def test_a_compiled_to_mesh_of_a_failed_input_fails_its_result_and_the_next_call
     with pytest.raises(dm.RemoteException, match="boom on host 0"):
         fetch(step(bad))
     assert torch.equal(fetch(step(good), gpu=1), torch.full((2,), 2.0))
+
+
+def slow_ones():
+    import time
+
+    time.sleep(1.5)
+    return torch.ones(3)
+
+
+def test_a_receiver_waits_for_a_slow_sender(mesh2x2):
+    """The receiver posts its receive long before the sender sends (gloo would close the pair of a receive whose
+    timed wait expires: the wait is whole, bounded by comm_timeout)."""
+    host0, host1 = mesh2x2.slice(host=0), mesh2x2.slice(host=1)
+    with host0.activate():
+        t = dm.remote(slow_ones, propagate=lambda: torch.empty(3))()
+    assert torch.equal(fetch(t.to_mesh(host1), gpu=1), torch.ones(3))
