@@ -2,7 +2,7 @@
 # GPU tests and benchmarks (issues 4, 11). Each step runs under its own time limit and logs to $OUT (default
 # ./gpu-logs); a failing step does not stop the others. The exit status is the number of steps that failed.
 # Usage: bash ci/gpu.sh [steps...]   (steps: info tests allreduce dispatch train_lm digits, which need 2 GPUs,
-# and compile_tests compiled train_lm_compiled, which run on one GPU)
+# and tests1 compiled train_lm_compiled, which run on one GPU)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -29,7 +29,7 @@ for step in $steps; do
         dispatch) run dispatch 300 $PY bench/dispatch.py --device cuda ;;
         train_lm) run train_lm 300 $PY bench/train_lm.py ;;
         digits) run digits 300 $PY examples/train_digits.py --device cuda --workers 2 ;;
-        compile_tests) run compile_tests 420 $PY -m pytest -q -m gpu tests/test_gpu_compile.py -rA -p no:cacheprovider ;;
+        tests1) run tests1 420 $PY -m pytest -q -m gpu tests/test_gpu_compile.py tests/test_gpu_release.py tests/test_gpu_sharing.py -rA -p no:cacheprovider ;;
         compiled) run compiled 300 $PY bench/compiled.py --device cuda ;;
         train_lm_compiled) run train_lm_compiled 420 $PY bench/train_lm.py --compiled ;;
         *) echo "unknown step $step"; failed=$((failed + 1)) ;;

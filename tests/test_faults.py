@@ -98,7 +98,9 @@ def test_a_result_lost_before_the_controller_collected_it_fails_only_that_sessio
     user callback keeps Dask's shared callback thread busy: the controller does not depend on it."""
     client = client_of(cli_cluster)
     # liveness checks far away: only the lost result can report the death within the bound below
-    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=600, liveness_interval=600)
+    # through tasks alone: with an answer channel the answers come on it and no task result is needed
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, heartbeat_timeout=600, liveness_interval=600,
+                     answer_channel=False)
     session = mesh._session
     x = dm.remote(torch.add)(mesh.rank("dp"), 1)
     assert dm.fetch_shard(x, dp=1).result(timeout=TIMEOUT).item() == 2

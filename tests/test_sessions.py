@@ -106,8 +106,8 @@ def test_answers_of_a_rank_apply_in_order_when_their_tasks_finish_out_of_order(c
     """Two fetches in flight: Dask may hand the controller the second status task's answers (Status past both
     fetches) before the first's (the first fetch's FetchResult), e.g. when several threads fetch at once. The
     first fetch must still get its value, not 'answered Status but no FetchResult' (spec §3: a future resolves
-    once every rank's answers up to its Status are in)."""
-    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    once every rank's answers up to its Status are in). Through tasks alone (answer_channel=False)."""
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60, answer_channel=False)
     try:
         session = mesh._session
         with mesh.activate():

@@ -9,93 +9,25 @@ import pytest
 import torch
 
 from dask_monarch.protocol import (
-    ArgsKwargs,
-    CallFunction,
-    Cloudpickle,
     CreateDeviceMesh,
-    CreateStream,
     DeleteRefs,
     FunctionPath,
-    GetRefResult,
-    GetRefUnitTestsOnly,
+    Cloudpickle,
     RemoteFunctionFailed,
     RequestStatus,
-    SendValue,
     SetRefUnitTestsOnly,
     Slice,
     Status,
     StreamCreationMode,
-    StreamRef,
     WireValue,
 )
-
-TIMEOUT = 60
-ST0 = StreamRef(0)  # created by the session itself
-ST1 = StreamRef(1)
-
-ONES = FunctionPath("torch.ops.aten.ones.default")
-ZEROS = FunctionPath("torch.ops.aten.zeros.default")
-SUB_ = FunctionPath("torch.ops.aten.sub_.Scalar")
-ALLCLOSE = FunctionPath("torch.ops.aten.allclose.default")
-MISSING = FunctionPath("i.dont.exist")
+from rawmsg import ALLCLOSE, MISSING, ONES, ST0, ST1, SUB_, ZEROS, call, create_stream, ctl_messages, fetch, get_refs
+from rawmsg import ok, refs, sync
 
 
 @pytest.fixture
 def session(mesh1):
     return mesh1._session
-
-
-def refs(session, n):
-    return [session.new_ref() for _ in range(n)]
-
-
-def create_stream(session, stream, mode=StreamCreationMode.CreateNewStream):
-    session.send(CreateStream(stream, mode))
-
-
-def call(session, function, args=(), results=(None,), mutates=(), stream=ST1, kwargs=None) -> int:
-    """Send one ``CallFunction`` with a fresh seq; return the seq."""
-    seq = session.new_seq()
-    message = CallFunction(seq, list(results), list(mutates), function, ArgsKwargs(tuple(args), kwargs or {}), stream, [])
-    session.send(message)
-    return seq
-
-
-def sync(session):
-    """Wait until rank 0 applied everything sent before; return the seq of the ``RequestStatus`` it sent."""
-    future = session.sync("test sync")
-    future.result(timeout=TIMEOUT)
-    return future.status_seq
-
-
-def get_refs(session, *wanted) -> list[GetRefResult]:
-    """``GetRefUnitTestsOnly`` for each ``(ref, stream)`` of ``wanted`` (distinct refs); the replies in the same
-    order (streams answer concurrently, so they arrive in any order)."""
-    for ref, stream in wanted:
-        session.send(GetRefUnitTestsOnly(ref, stream))
-    sync(session)
-    replies = {msg.ref: msg for _, msg in session.get_ref_results}
-    assert len(replies) == len(session.get_ref_results) == len(wanted)
-    session.get_ref_results.clear()
-    return [replies[ref] for ref, _ in wanted]
-
-
-def ctl_messages(session) -> list:
-    return [msg for _, msg in session.answers if not isinstance(msg, (Status, GetRefResult))]
-
-
-def fetch(session, obj, stream=ST1):
-    """The value of ``obj`` (refs resolved on ``stream``) through an identity ``SendValue``."""
-    seq = session.new_seq()
-    session.send(SendValue(seq, None, [], None, ArgsKwargs((obj,)), stream))
-    sync(session)
-    answer = session.take_fetch_result(seq)
-    assert answer is not None and answer.error is None, answer
-    return answer.value
-
-
-def ok(reply: GetRefResult, value: WireValue | None = None) -> bool:
-    return reply.present and reply.error is None and (value is None or reply.value == value)
 
 
 # ------------------------------------------------------------------------------------------------ cases

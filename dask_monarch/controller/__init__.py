@@ -1,6 +1,11 @@
-"""Controller side of dask_monarch: session transport, meshes, remote functions, reductions, fetches."""
+"""Controller side of dask_monarch: session transport, meshes, remote functions, reductions, fetches.
+
+Importing it imports every frontend module, each of which registers what ``DeviceMesh`` and ``Tensor`` call in it
+(``mesh.Frontend``).
+"""
 
 from .attach import attach
+from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
 from .fetch import fetch_shard, inspect

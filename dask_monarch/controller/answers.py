@@ -11,6 +11,9 @@ and the session's own ``monarch-answers-<tag>`` thread takes each finished task 
 runs on the event loop and is awaited here in slices of ``SLICE`` seconds, and given up (``AnswerLost``) as soon
 as the result is lost (the future's status leaves ``finished``: its worker died) or the session has failed or
 stopped. Only that session fails; the thread ends with the session (``stop``).
+
+The same thread applies the answer chunks that the session's answer channels bring (``channel.py``, ``put_chunk``),
+so the answers of a rank are applied by one thread whichever way they came.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+from collections import deque
 
 from distributed import as_completed
 
@@ -35,8 +39,8 @@ class Answers:
     """Collects the results of ``session``'s tasks on a thread of its own.
 
     ``add(future, sync)``: call ``session._on_sync_done(future)`` (``sync``) or ``session._on_batch_done(future)``
-    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``stop()`` cancels what is
-    still pending and ends the thread."""
+    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``put_chunk(rank, blob)`` (any
+    thread): call ``session._on_chunk(rank, blob)``. ``stop()`` cancels what is still pending and ends the thread."""
 
     #: seconds between checks of a result being gathered (lost? session over?)
     SLICE = 0.5
@@ -46,7 +50,8 @@ class Answers:
         self._client = session.client
         self._done = as_completed(loop=self._client.loop)
         self._waiting: dict = {}  # key -> (future, whether its result is answers), until handed over
-        self._more = threading.Event()
+        self._chunks: deque = deque()  # (rank, pickled chunk) from the answer channels
+        self._wake = self._done.thread_condition  # as_completed notifies it when a future is done
         self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"monarch-answers-{tag}", daemon=True)
         self.thread.start()
@@ -54,15 +59,21 @@ class Answers:
     def add(self, future, sync: bool) -> None:
         self._waiting[future.key] = (future, sync)
         self._done.add(future)
-        self._more.set()
+
+    def put_chunk(self, rank: int, blob: bytes) -> None:
+        """An answer chunk of rank ``rank`` came on its channel (``channel.py``; on the event loop)."""
+        self._chunks.append((rank, blob))
+        with self._wake:
+            self._wake.notify()
 
     def stop(self) -> None:
         """Stop collecting: cancel the tasks still pending (tasks pinned to a worker that left would otherwise stay
         ``no-worker`` on the scheduler for as long as this client lives) and end the thread. Called while the
         client is still open (``Session.stop``)."""
         self._stopped.set()
-        self._done.clear()  # a thread waiting in next_batch sees nothing left to wait for and returns
-        self._more.set()
+        self._done.clear()
+        with self._wake:
+            self._wake.notify()
         pending = [f for f, _ in list(self._waiting.values()) if not f.done()]
         self._waiting.clear()
         if pending:
@@ -72,20 +83,23 @@ class Answers:
                 pass
 
     def _run(self) -> None:
-        done = self._done
+        done, chunks, wake = self._done, self._chunks, self._wake
         while not self._stopped.is_set():
-            self._more.clear()
-            if done.is_empty():
-                self._more.wait()
+            while chunks:
+                rank, blob = chunks.popleft()
+                try:
+                    self._session._on_chunk(rank, blob)
+                except Exception:  # a bug here must not end the thread: later answers still count
+                    logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
+            if done.has_ready():
+                for future in done.next_batch(block=False):
+                    if self._stopped.is_set():
+                        break
+                    self._deliver(future)
                 continue
-            try:
-                batch = done.next_batch(block=True)
-            except StopIteration:
-                continue
-            for future in batch:
-                if self._stopped.is_set():
-                    break
-                self._deliver(future)
+            with wake:  # as_completed and put_chunk notify holding it: no notice is missed
+                if not chunks and not done.has_ready() and not self._stopped.is_set():
+                    wake.wait(0.1)
 
     def _deliver(self, future) -> None:
         entry = self._waiting.pop(future.key, None)

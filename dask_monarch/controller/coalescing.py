@@ -12,10 +12,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-__all__ = ["coalescing", "compiling", "held_messages", "is_coalescing", "recording_block", "refuse_wait"]
+__all__ = ["HeldDelete", "coalescing", "compiling", "held_messages", "is_coalescing", "recording_block", "refuse_wait"]
 
 _held: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_coalescing", default=None)
 _compiling: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_compiling", default=None)
+
+
+class HeldDelete(tuple):
+    """A ref dropped inside a ``coalescing()`` block, held with the block's messages (``Session.drop_ref``): it
+    is freed after them (``Session.send_group``)."""
+
+    __slots__ = ()
+
+    def __new__(cls, ref_id: int):
+        return super().__new__(cls, (ref_id,))
+
+    @property
+    def ref(self) -> int:
+        return self[0]
 
 
 def compiling() -> str | None:

@@ -50,13 +50,12 @@ def _cache_key(leaves: list, spec, name: str) -> tuple:
                     "function runs its autograd inside: pass parameters by using them in the function (they are "
                     "captured), not as arguments"
                 )
-            f = x._fake
-            offset = f.storage_offset()
-            alias, first = storages.setdefault(f.untyped_storage()._cdata, (len(storages), offset))
+            size, stride, offset, dtype, device = x._meta
+            alias, first = storages.setdefault(x._storage, (len(storages), offset))
             mesh = x.mesh
             # offsets only relative to the other tensors of the same storage: a batch sliced from a larger tensor
             # at another row is the same recording
-            parts.append((tuple(f.shape), f.stride(), offset - first, f.dtype, f.device, f.layout,
+            parts.append((size, stride, offset - first, dtype, device, x.layout,
                           id(mesh._session), mesh._rank_list, mesh.names, x.stream, alias))
             tensors.append(x)
         elif isinstance(x, torch.Tensor):

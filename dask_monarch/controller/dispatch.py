@@ -12,82 +12,59 @@ from the op run on fake tensors on the controller (``remote.call_on_mesh``).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..protocol import FunctionPath
-from .mesh import get_active_mesh
+from ..protocol import ArgsKwargs, CallFunction, DeleteRefs, FunctionPath
+from .local import is_propagating, propagating
+from .mesh import frontend, get_active_mesh
+from .remote import call_on_mesh
+from .stream import check_access
+from .tensor import Tensor, note_type_error
 
-__all__ = ["MeshDispatchMode", "run_op"]
+__all__ = ["MeshDispatchMode", "assign_data", "run_op"]
 
 _aten = torch.ops.aten
 #: operations that stay local on local tensors even under an active mesh (spec §1)
 _LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset))
 _LOCAL_NAMESPACES = frozenset(("profiler",))
-_paths: dict = {}
-_writes: dict = {}  # OpOverload -> (position, name, kwarg_only) of the arguments it writes
-# set while the controller runs an op on fake tensors: the mode lets it through to the FakeTensorMode (an "infra"
-# mode, which torch orders below user modes such as MeshDispatchMode whatever the order they were entered in)
-_propagating: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_propagating", default=False)
+#: per ``OpOverload``: (``FunctionPath``, name, whether it runs on the controller when no remote tensor is among its
+#: arguments under an active mesh)
+_ops: dict = {}
 
 
-@contextlib.contextmanager
-def propagating():
-    """Inside, ``MeshDispatchMode`` runs operations locally (on the controller's fake tensors)."""
-    token = _propagating.set(True)
-    try:
-        yield
-    finally:
-        _propagating.reset(token)
+def _op(func) -> tuple:
+    entry = _ops.get(func)
+    if entry is None:
+        name = func._schema.name.split("::")[-1]
+        path = FunctionPath(f"torch.ops.{func.namespace}.{name}.{func._overloadname}")
+        local = func.namespace in _LOCAL_NAMESPACES or func in _LOCAL_OPS
+        entry = _ops[func] = (path, str(func), local)
+    return entry
 
 
 def op_path(func) -> FunctionPath:
     """``FunctionPath("torch.ops.<namespace>.<op>.<overload>")`` of an ``OpOverload`` (cached)."""
-    path = _paths.get(func)
-    if path is None:
-        name = func._schema.name.split("::")[-1]
-        path = _paths[func] = FunctionPath(f"torch.ops.{func.namespace}.{name}.{func._overloadname}")
-    return path
+    return _op(func)[0]
 
 
 def run_op(func, args, kwargs, mesh=None):
     """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh)."""
-    from .remote import call_on_mesh
-    from .tensor import note_type_error
-
-    if func is _aten._local_scalar_dense.default:
+    if func is _LOCAL_SCALAR:
         raise TypeError(
             "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
             "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
         )
+    path, name, _ = _ops.get(func) or _op(func)
     try:
-        return call_on_mesh(op_path(func), str(func), func, args, kwargs, mesh=mesh, writes=written_tensors(func, args, kwargs))
+        return call_on_mesh(path, name, func, args, kwargs, mesh, func)
     except TypeError as e:
         note_type_error(e)  # for the Python operators, where torch would hide it (tensor.py)
         raise
 
 
-def written_tensors(func, args, kwargs) -> list:
-    """The remote tensors that ``func`` writes, from its schema's alias annotations (``Tensor(a!)``): in-place and
-    ``out=`` ops. Under ``__torch_dispatch__`` the fake tensors' version counters do not move, so the propagation
-    cannot see these writes."""
-    from .tensor import Tensor
-
-    written = _writes.get(func)
-    if written is None:
-        written = _writes[func] = tuple(
-            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    found = []
-    for i, name, kwarg_only in written:
-        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
-        found.extend(x for x in tree_flatten(value)[0] if isinstance(x, Tensor))
-    return found
+_LOCAL_SCALAR = _aten._local_scalar_dense.default
 
 
 class MeshDispatchMode(TorchDispatchMode):
@@ -96,12 +73,55 @@ class MeshDispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mesh = get_active_mesh()
-        if mesh is None or _propagating.get() or func.namespace in _LOCAL_NAMESPACES or func in _LOCAL_OPS and not _has_remote(args):
+        if mesh is None or is_propagating():
             return func(*args, **kwargs)
+        if (_ops.get(func) or _op(func))[2]:  # profiler bookkeeping, and local reads of local tensors
+            if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
+                return func(*args, **kwargs)
         return run_op(func, args, kwargs, mesh)
 
 
 def _has_remote(args) -> bool:
-    from .tensor import Tensor
-
     return any(isinstance(x, Tensor) for x in tree_flatten(args)[0])
+
+
+def assign_data(tensor: Tensor, value) -> None:
+    """``tensor.data = value``, which ``nn.Module.to()``/``.double()``/``.cuda()`` do to every parameter: the handle
+    keeps its ref, which on every rank now holds an alias of ``value`` (``DeleteRefs`` of the old value, then
+    ``CallFunction(aten.alias)`` into the same ref). Raises ``TypeError`` (LOCAL_TENSOR, WRONG_MESH,
+    WRONG_STREAM, DROPPED, BORROWED) for a value the handle cannot take."""
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"LOCAL_TENSOR: cannot set .data of remote tensor {tensor.ref!r} to a local {type(value).__name__}"
+        )
+    if value.mesh._session is not tensor.mesh._session or value.mesh._rank_list != tensor.mesh._rank_list:
+        raise TypeError(f"WRONG_MESH: cannot set .data of {tensor.ref!r} ({tensor.mesh!r}) to a tensor of {value.mesh!r}")
+    tensor.check_usable()
+    value.check_usable()
+    session = tensor.mesh._session
+    alias = torch.ops.aten.alias.default
+    with session.lock:
+        session.check_ok()
+        check_access(tensor.stream, [value, tensor], [tensor])
+        with propagating(), session.fake_mode:
+            fake = alias(value._fake)  # shares value's fake storage: the two are aliases from now on
+        ranks = tensor.mesh._rank_list
+        # the ref keeps its id (messages already queued pickle it when they are sent), so it is freed and
+        # written again, in that order, on every rank
+        session.send(DeleteRefs([tensor.ref]), ranks)
+        seq = session.new_seq()
+        session.record(seq, defs=[tensor], uses=[value], what=".data assignment")
+        session.send(
+            CallFunction(seq, [tensor.ref], (), op_path(alias), ArgsKwargs((value,), {}),
+                         tensor.stream.ref_for(session), ()),
+            ranks,
+        )
+        torch.Tensor.data.__set__(tensor, value)  # shape, strides, dtype and device, as torch does
+        old_storage = tensor._storage
+        tensor._fake = fake
+        session.retrack(tensor, old_storage)
+
+
+frontend.dispatch_mode = MeshDispatchMode
+frontend.run_op = run_op
+frontend.assign_data = assign_data

@@ -16,7 +16,7 @@ from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
 from .mesh import DeviceMesh
 from .remote import pack_leaves
-from .session import MonarchFuture
+from .future import MonarchFuture
 from .stream import check_access
 from .tensor import Tensor
 
@@ -24,6 +24,8 @@ __all__ = ["fetch_shard", "inspect"]
 
 
 class _Done(MonarchFuture):
+    futures = ()  # nothing to wait for
+
     def __init__(self, value):
         self._value = value
 

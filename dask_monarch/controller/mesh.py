@@ -15,7 +15,32 @@ import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
 
-__all__ = ["DeviceMesh", "get_active_mesh", "no_mesh"]
+__all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh"]
+
+
+class Frontend:
+    """The operations of the frontend modules above this one and ``tensor.py`` that ``DeviceMesh`` and ``Tensor``
+    call. Each module fills in its own when imported (``controller/__init__`` imports them all), so that imports
+    run one way: frontend -> mesh -> session -> protocol (DESIGN.md "Layout")."""
+
+    #: ``dispatch.MeshDispatchMode``, entered by ``DeviceMesh.activate``
+    dispatch_mode = None
+    #: ``dispatch.run_op(func, args, kwargs)``: every torch op on a remote tensor (``Tensor.__torch_dispatch__``)
+    run_op = None
+    #: ``dispatch.assign_data(tensor, value)``: ``tensor.data = value``
+    assign_data = None
+    #: ``reduce.reduce_one``: ``Tensor.reduce`` and ``Tensor.reduce_``
+    reduce_one = None
+    #: ``remote.remote``: ``DeviceMesh.rank``
+    remote = None
+    #: ``to_mesh.send(tensor, slicing, mesh, stream)``: ``Tensor.to_mesh``
+    to_mesh = None
+    #: ``to_mesh.MeshSliceTensor(tensor, sub_mesh)``: ``Tensor.slice_mesh``
+    slice_mesh = None
+
+
+#: the frontend's operations (``Frontend``)
+frontend = Frontend()
 
 _active: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_active_mesh", default=None)
 
@@ -209,14 +234,12 @@ class DeviceMesh:
         """``{dim: mesh.rank(dim)}``: each rank's coordinate along every dimension, as remote 0-d int64 tensors."""
         return {name: self.rank(name) for name in self.names}
 
-    def rank(self, dims) -> "Tensor":  # noqa: F821
+    def rank(self, dims):
         """This rank's coordinate along ``dims`` (a name, or names combined row-major) as a remote 0-d int64
         tensor (spec §1 ``rank``)."""
-        from .remote import remote
-
         names = (dims,) if isinstance(dims, str) else tuple(dims)
         self.size(names)
-        return remote("dask_monarch.worker.device_mesh.rank_tensor", propagate=_rank_fake)(self, names)
+        return frontend.remote("dask_monarch.worker.device_mesh.rank_tensor", propagate=_rank_fake)(self, names)
 
     def process_group(self, dims) -> "RemoteProcessGroup":  # noqa: F821
         """A process group over ``dims`` (a name or a tuple of names; ``()`` for all) of this mesh, for remote
@@ -232,11 +255,9 @@ class DeviceMesh:
     def activate(self):
         """Run every torch operation on this mesh inside the block, factories included (spec §1 "Dispatch"), and
         make it the mesh of remote calls without remote-tensor arguments. ``no_mesh.activate()`` undoes it."""
-        from .dispatch import MeshDispatchMode
-
         token = _active.set(self)
         try:
-            with MeshDispatchMode():
+            with frontend.dispatch_mode():
                 yield self
         finally:
             _active.reset(token)

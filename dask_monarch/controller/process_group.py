@@ -103,9 +103,9 @@ class RemoteProcessGroup:
         return self._stand_in
 
     def propagation_key(self) -> tuple:
-        """What the output shapes of a call may depend on (``Propagator.key``): not the object itself, which the
-        cache would keep alive."""
-        return ("process group", self.mesh.names, self.mesh._rank_list, tuple(sorted(self.dims)))
+        """What the output shapes of a call may depend on (``propagation.call_key``): not the object itself, which
+        the cache would keep alive."""
+        return ("process group", self.mesh.names, tuple(self.mesh._rank_list), tuple(sorted(self.dims)))
 
     def __monarch_ref__(self) -> int:
         return self.ref.id

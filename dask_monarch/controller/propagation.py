@@ -2,22 +2,29 @@
 
 Running an op on fake tensors costs the controller a few hundred microseconds; a training loop repeats the same
 ops on the same shapes. The first call with given input metadata runs ``propagate`` on fakes and records a
-*recipe*: for each output, which input it is (an in-place op), or its size, strides, offset, dtype and device and
-whose storage it shares (an input's, an earlier output's, or its own); and which inputs were mutated. Later calls
-with the same function and the same input metadata rebuild the output fakes from the recipe. A call whose inputs
-include local tensors, unhashable values, or whose propagation changed an input's metadata is never cached.
+``Plan``: for each output, which input it is (an in-place op), or its size, strides, offset, dtype and device and
+whose storage it views (an input's, an earlier output's, or a fresh one of so many bytes); and which inputs the
+call writes. Later calls with the same function and the same input metadata (``call_key``) make their outputs
+from the plan, without fake tensors (``remote.py``). A call whose inputs include local tensors, unhashable
+values, or whose propagation changed an input's metadata is never cached.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Propagator", "fake_view", "fresh_storage"]
+__all__ = ["Plan", "Propagator", "call_key", "fake_view", "fresh_storage"]
 
 _PLAIN = frozenset((int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
+_SEQUENCES = (list, tuple)
 _UNCACHEABLE = object()
 _MAX_ENTRIES = 8192
+
+#: kinds of a ``Plan`` step
+INPUT, VALUE, TENSOR = 0, 1, 2
+#: where a ``TENSOR`` step's storage comes from
+FRESH, OF_INPUT, OF_OUTPUT = 0, 1, 2
 
 
 def _meta(fake) -> tuple:
@@ -31,74 +38,132 @@ def fresh_storage(nbytes: int):
 
 def fake_view(fake_mode, storage, offset: int, size, stride, dtype, device):
     """A fake tensor of ``fake_mode`` viewing ``storage`` (a meta storage, e.g. another fake's) with the given
-    metadata; built from plain meta tensors outside the fake mode, which is cheap (a few microseconds)."""
+    metadata; built from plain meta tensors outside any dispatch mode, which is cheap (a few microseconds)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    meta = torch.empty(0, dtype=dtype, device="meta")
-    meta.set_(storage, offset, size, stride)
-    return FakeTensor(fake_mode, meta, device)
+    with torch._C._DisableTorchDispatch():  # local meta tensors, also under mesh.activate()
+        meta = torch.empty(0, dtype=dtype, device="meta")
+        meta.set_(storage, offset, size, stride)
+        return FakeTensor(fake_mode, meta, device)
+
+
+def call_key(function, shapes, args: tuple, kwargs: dict, tensor_type, mesh_type):
+    """``(key, tensors)`` of a call of ``function`` (and its ``shapes``) with ``args``/``kwargs``: the cache key of its
+    plan, and its remote tensor arguments (``tensor_type``) in order. Fast for what torch ops pass (positional
+    tensors, plain values and lists of them; plain keyword values); anything else is keyed by its pytree
+    (``torch.utils._pytree``). The key is None if the call cannot be cached (a local tensor, an unhashable value)."""
+    parts = [function, shapes, len(args)]
+    tensors = []
+    for x in args:
+        t = type(x)
+        if t is tensor_type:
+            storage = x._storage
+            for alias, other in enumerate(tensors):
+                if other._storage is storage:
+                    break
+            else:
+                alias = len(tensors)
+            tensors.append(x)
+            parts.append((x._meta, alias))
+        elif t in _PLAIN:
+            parts.append((t, x))
+        elif t in _SEQUENCES and all(type(v) in _PLAIN for v in x):
+            parts.append((t, *x))
+        else:
+            return _pytree_key(function, shapes, args, kwargs, tensor_type, mesh_type)
+    for name, x in kwargs.items():
+        if type(x) not in _PLAIN:
+            return _pytree_key(function, shapes, args, kwargs, tensor_type, mesh_type)
+        parts.append((name, type(x), x))
+    return tuple(parts), tensors
+
+
+def _pytree_key(function, shapes, args, kwargs, tensor_type, mesh_type):
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    parts = [function, shapes, spec]
+    storages: dict = {}
+    tensors = []
+    for x in leaves:
+        t = type(x)
+        if t in _PLAIN:
+            parts.append((t, x))
+        elif t is tensor_type:
+            alias = storages.setdefault(x._storage, len(storages))
+            tensors.append(x)
+            parts.append((x._meta, alias))
+        elif t is mesh_type:
+            parts.append(("mesh", id(x)))
+        elif isinstance(x, torch.Tensor):
+            return None, [x for x in leaves if isinstance(x, tensor_type)]
+        elif hasattr(t, "propagation_key"):  # an object whose key must not keep it alive (a process group)
+            parts.append(x.propagation_key())
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return None, [x for x in leaves if isinstance(x, tensor_type)]
+            parts.append((t, x))
+    return tuple(parts), tensors
+
+
+class Plan:
+    """What a call with a given key makes (see the module's docstring). ``steps`` has one entry per output leaf:
+    ``(INPUT, i)`` (the call returns its input ``i``), ``(VALUE, v)`` (a plain value), or ``(TENSOR, meta,
+    requires_grad, where, which)`` with ``meta`` = ``(size, stride, storage offset, dtype, device)`` viewing a
+    ``FRESH`` storage of ``which`` bytes, input ``which``'s storage (``OF_INPUT``) or that of output leaf ``which``
+    (``OF_OUTPUT``). ``spec`` is the outputs' pytree (None: one leaf, returned as it is); ``written`` are the indices
+    of the inputs the call writes; ``groups`` says whether the call passes process groups (``RemoteProcessGroup``),
+    which the call must find among its arguments."""
+
+    __slots__ = ("steps", "spec", "written", "groups")
+
+    def __init__(self, steps: tuple, spec, written: tuple):
+        self.steps = steps
+        self.spec = spec
+        self.written = written
+        self.groups = False
 
 
 class Propagator:
-    """Runs or replays propagation for one session (``fake_mode`` is the session's ``FakeTensorMode``)."""
+    """Runs or reuses propagation for one session (``fake_mode`` is the session's ``FakeTensorMode``)."""
 
     def __init__(self, fake_mode):
         self.fake_mode = fake_mode
-        # fake_view: FakeTensor(mode, meta tensor, device) wraps without the converter's memo (60 us a call)
-        self._recipes: dict = {}
+        self._plans: dict = {}
         self.hits = 0
         self.misses = 0
 
-    # ----------------------------------------------------------------------------------------------- key
-    @staticmethod
-    def key(function, shapes, spec, leaves, tensor_type, mesh_type):
-        """The cache key of a call, or None if it cannot be cached."""
-        parts = [function, shapes, spec]
-        storages: dict = {}
-        for x in leaves:
-            t = type(x)
-            if t in _PLAIN:
-                parts.append((t, x))
-            elif t is tensor_type:
-                f = x._fake
-                alias = storages.setdefault(f.untyped_storage()._cdata, len(storages))
-                parts.append((tuple(f.shape), f.stride(), f.storage_offset(), f.dtype, f.device, alias))
-            elif t is mesh_type:
-                parts.append(("mesh", id(x)))
-            elif isinstance(x, torch.Tensor):
-                return None
-            elif hasattr(t, "propagation_key"):  # an object whose key must not keep it alive (a process group)
-                parts.append(x.propagation_key())
-            else:
-                try:
-                    hash(x)
-                except TypeError:
-                    return None
-                parts.append((t, x))
-        return tuple(parts)
+    def plan(self, key) -> Plan | None:
+        """The plan for ``key`` (counted as a hit), or None."""
+        plan = self._plans.get(key)
+        if plan is None or plan is _UNCACHEABLE:
+            return None
+        self.hits += 1
+        return plan
 
-    # ------------------------------------------------------------------------------------------- run/replay
-    def run(self, key, shapes, fake_args, fake_kwargs, input_fakes):
-        """``(output pytree, mutated input indices)``: replayed from the recipe for ``key``, or computed by
-        ``shapes(*fake_args, **fake_kwargs)`` under the fake mode and recorded. Call it inside
-        ``dispatch.propagating()``."""
-        recipe = self._recipes.get(key) if key is not None else None
-        if recipe is not None and recipe is not _UNCACHEABLE:
-            self.hits += 1
-            return self._replay(recipe, input_fakes)
+    def run(self, key, shapes, fake_args, fake_kwargs, input_fakes, writes=()):
+        """``(output pytree, mutated input indices, plan)``: ``shapes(*fake_args, **fake_kwargs)`` computed under the
+        fake mode, and the ``Plan`` recorded for ``key`` (None if the call cannot be cached). ``writes`` are the
+        indices of inputs the call writes besides those whose fake version moved. Call it inside
+        ``local.propagating()``."""
         self.misses += 1
         before = [(f._version, _meta(f)) for f in input_fakes]
         with self.fake_mode:
             out = shapes(*fake_args, **fake_kwargs)
         mutated = [i for i, (f, (v, _)) in enumerate(zip(input_fakes, before)) if f._version != v]
-        if key is not None and recipe is None:
+        plan = None
+        if key is not None and self._plans.get(key) is not _UNCACHEABLE:
             changed = any(_meta(f) != m for f, (_, m) in zip(input_fakes, before))
-            if len(self._recipes) >= _MAX_ENTRIES:
-                self._recipes.clear()
-            self._recipes[key] = _UNCACHEABLE if changed else self._record(out, input_fakes, mutated)
-        return out, mutated
+            plan = None if changed else self._record(out, input_fakes, sorted(set(mutated) | set(writes)))
+            if len(self._plans) >= _MAX_ENTRIES:
+                self._plans.clear()
+            self._plans[key] = _UNCACHEABLE if plan is None else plan
+        return out, mutated, plan
 
-    def _record(self, out, input_fakes, mutated):
+    @staticmethod
+    def _record(out, input_fakes, written) -> Plan | None:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.utils._pytree import tree_flatten
 
@@ -110,42 +175,24 @@ class Propagator:
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 if id(leaf) in by_id:
-                    steps.append(("input", by_id[id(leaf)]))
+                    steps.append((INPUT, by_id[id(leaf)]))
                     continue
                 if not isinstance(leaf, FakeTensor):
-                    return _UNCACHEABLE
+                    return None
                 storage = leaf.untyped_storage()
                 cdata = storage._cdata
                 if cdata in storage_of_input:
-                    base = ("input", storage_of_input[cdata])
+                    where, which = OF_INPUT, storage_of_input[cdata]
                 elif cdata in storage_of_output:
-                    base = ("output", storage_of_output[cdata])
+                    where, which = OF_OUTPUT, storage_of_output[cdata]
                 else:
-                    base = ("fresh", storage.nbytes())
+                    where, which = FRESH, storage.nbytes()
                     storage_of_output[cdata] = k
-                steps.append(("tensor", *_meta(leaf), leaf.dtype, leaf.device, base))
+                meta = (tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.device)
+                steps.append((TENSOR, meta, leaf.requires_grad, where, which))
             elif type(leaf) in _PLAIN:
-                steps.append(("value", leaf))
+                steps.append((VALUE, leaf))
             else:
-                return _UNCACHEABLE
-        return spec, steps, tuple(mutated)
-
-    def _replay(self, recipe, input_fakes):
-        from torch.utils._pytree import tree_unflatten
-
-        spec, steps, mutated = recipe
-        leaves = []
-        for step in steps:
-            kind = step[0]
-            if kind == "input":
-                leaves.append(input_fakes[step[1]])
-            elif kind == "value":
-                leaves.append(step[1])
-            else:
-                _, size, stride, offset, dtype, device, (where, which) = step
-                if where == "fresh":
-                    storage = fresh_storage(which)
-                else:
-                    storage = (input_fakes[which] if where == "input" else leaves[which]).untyped_storage()
-                leaves.append(fake_view(self.fake_mode, storage, offset, size, stride, dtype, device))
-        return tree_unflatten(leaves, spec), list(mutated)
+                return None
+        single = spec.is_leaf() and len(steps) == 1
+        return Plan(tuple(steps), None if single else spec, tuple(written))

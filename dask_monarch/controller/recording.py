@@ -19,7 +19,6 @@ import weakref
 
 import torch
 
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from ..protocol import (
@@ -40,9 +39,8 @@ from ..protocol import (
     SplitComm,
     SplitCommForProcessGroup,
 )
-from .dispatch import propagating
 from .mesh import DeviceMesh
-from .propagation import fake_view, fresh_storage
+from .storage import Storage
 from .stream import check_access
 from .tensor import Tensor
 
@@ -57,10 +55,6 @@ _SENT_AT_ONCE = (
 )
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__))
-
-
-def _storage(t) -> int:
-    return t._fake.untyped_storage()._cdata
 
 
 def _user_frame() -> str:
@@ -132,7 +126,7 @@ class Recorder:
             if t.ref.id not in created:
                 self.mutated.setdefault(t.ref.id, t)
             else:
-                self.mutated_formals.update(self.formal_groups.get(_storage(t), ()))
+                self.mutated_formals.update(self.formal_groups.get(t._storage, ()))
 
     def capture(self, targets: tuple, msg) -> bool:
         """``Session.send`` while recording: keep ``msg`` (True), or let it go out at once (False)."""
@@ -171,17 +165,12 @@ class Recorder:
         storages: dict = {}
         formals = []
         for i, t in enumerate(inputs):
-            f = t._fake
-            key = _storage(t)
-            with propagating():  # local meta tensors, also under mesh.activate()
-                storage = storages.get(key)
-                if storage is None:
-                    storage = storages[key] = fresh_storage(f.untyped_storage().nbytes())
-                fake = fake_view(session.fake_mode, storage, f.storage_offset(), f.shape, f.stride(), f.dtype,
-                                 f.device)
-            formal = Tensor(session.new_ref(), fake, t.mesh, t.stream)
-            self.formal_groups.setdefault(storage._cdata, []).append(i)
-            self.formal_offsets.append(f.storage_offset())
+            storage = storages.get(t._storage)
+            if storage is None:
+                storage = storages[t._storage] = Storage(t._storage.nbytes)
+            formal = Tensor.viewing(session.new_ref(), storage, t._meta, False, t.mesh, t.stream)
+            self.formal_groups.setdefault(storage, []).append(i)
+            self.formal_offsets.append(t._meta[2])
             session.send(RecordingFormal(formal.ref, i, t.stream.ref_for(session)), t.mesh._rank_list)
             formals.append(formal)
         return formals
@@ -236,9 +225,9 @@ class Recording:
         self.mutated_captures = list(recorder.mutated.values())
         self.mutated_formals = sorted(recorder.mutated_formals)
         self.nformals = len(inputs)
-        capture_storages = {_storage(t): t for t in self.captures + self.mutated_captures}
+        capture_storages = {t._storage: t for t in self.captures + self.mutated_captures}
         self.capture_index = {key: k for k, key in enumerate(capture_storages)}
-        self.input_pattern = tuple(self.capture_index.get(_storage(t)) for t in inputs)
+        self.input_pattern = tuple(self.capture_index.get(t._storage) for t in inputs)
         self.outputs = self._recipes(recorder, outputs, capture_storages)
         if cuda_graph:
             streams = {m.stream.id for _, m in self.messages if hasattr(m, "stream")}
@@ -273,9 +262,8 @@ class Recording:
         seen: dict = {}
         recipes = []
         for j, o in enumerate(outputs):
-            f = o._fake
-            key = _storage(o)
-            offset = f.storage_offset()
+            size, stride, offset, dtype, device = o._meta
+            key = o._storage
             if key in formal_input:  # at a call: relative to where that actual starts in its storage
                 i = formal_input[key]
                 base = ("input", i)
@@ -285,40 +273,34 @@ class Recording:
             elif key in seen:
                 base = ("output", seen[key])
             else:
-                base = ("fresh", f.untyped_storage().nbytes())
+                base = ("fresh", key.nbytes)
                 seen[key] = j
-            recipes.append((base, offset, tuple(f.shape), f.stride(), f.dtype, f.device, o.mesh, o.stream))
+            recipes.append((base, offset, size, stride, dtype, device, o.mesh, o.stream))
         return recipes
 
     def matches(self, inputs: list) -> bool:
         """Whether ``inputs`` alias the captures as the recorded inputs did (Monarch's ``CacheEntry.matches``)."""
         index = self.capture_index
-        return tuple(index.get(_storage(t)) for t in inputs) == self.input_pattern
+        return tuple(index.get(t._storage) for t in inputs) == self.input_pattern
 
     def _results(self, actuals: list) -> list:
-        with torch._C._DisableTorchDispatch():  # local meta tensors, also under mesh.activate(): no dispatch modes
-            return self._make_results(actuals)
-
-    def _make_results(self, actuals: list) -> list:
+        """The result tensors of a call on ``actuals``: metadata and storage from the recipes, no fake tensors (each
+        torch call may hand the GIL to the client's threads; a fake is made when something needs one)."""
         session = self.session
         results = []
         for base, offset, size, stride, dtype, device, mesh, stream in self.outputs:
             kind, which = base
-            if kind == "fresh" and offset == 0:  # one torch call: each may hand the GIL to the client's threads
-                meta = torch.empty_strided(size, stride, dtype=dtype, device="meta")
-                results.append(Tensor(session.new_ref(), FakeTensor(session.fake_mode, meta, device), mesh, stream))
-                continue
             if kind == "fresh":
-                storage = fresh_storage(which)
+                storage = Storage(which)
             elif kind == "input":
-                storage = actuals[which]._fake.untyped_storage()
-                offset += actuals[which]._fake.storage_offset()
+                storage = actuals[which]._storage
+                offset += actuals[which]._meta[2]
             elif kind == "capture":
-                storage = which._fake.untyped_storage()
+                storage = which._storage
             else:
-                storage = results[which]._fake.untyped_storage()
-            fake = fake_view(session.fake_mode, storage, offset, size, stride, dtype, device)
-            results.append(Tensor(session.new_ref(), fake, mesh, stream))
+                storage = results[which]._storage
+            results.append(Tensor.viewing(session.new_ref(), storage, (size, stride, offset, dtype, device), False,
+                                          mesh, stream))
         return results
 
     def call(self, actuals: list) -> list:

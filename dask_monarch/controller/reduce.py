@@ -15,7 +15,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..protocol import Factory, Reduce, Reduction
-from .dispatch import propagating
+from .local import propagating
+from .mesh import frontend
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
@@ -147,3 +148,6 @@ def reduce_(tensors, dims, reduction="sum", scatter: bool = False, mesh=None):
         if isinstance(x, Tensor):
             reduce_one(x, dims, reduction, scatter, mesh, True, None)
     return tensors
+
+
+frontend.reduce_one = reduce_one

@@ -23,14 +23,15 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
-from .dispatch import propagating
-from .mesh import DeviceMesh, get_active_mesh
+from .local import propagating
+from .mesh import DeviceMesh, frontend, get_active_mesh
 from .process_group import RemoteProcessGroup
-from .propagation import Propagator
+from .propagation import FRESH, INPUT, OF_INPUT, TENSOR, Plan, call_key
+from .storage import Storage
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
-__all__ = ["remote", "Remote", "function_of", "pack_leaves"]
+__all__ = ["remote", "Remote", "call_on_mesh", "function_of", "pack_leaves", "written_tensors"]
 
 #: argument leaves that travel as they are in the batch; any other leaf is pickled at the call (``PickledValue``)
 _WIRE_SAFE = frozenset((
@@ -153,6 +154,7 @@ class Remote:
         #: what a worker calls when it resolves this object's path (spec §2: ``_remote_impl``)
         self._remote_impl = fn
         self._function = None
+        self._shapes_of = self._shapes  # one bound method: part of every call's cache key
         self.__name__ = getattr(fn, "__name__", str(fn))
         functools.update_wrapper(self, fn, updated=()) if callable(fn) else None
 
@@ -175,23 +177,91 @@ class Remote:
         return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        return call_on_mesh(self.function, self.__name__, self._shapes, args, kwargs)
+        return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs)
 
     def __repr__(self) -> str:
         return f"remote({self._fn!r})"
 
 
-def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()):
+def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None):
     """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
     every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
 
     ``shapes(*fake_args, **fake_kwargs)`` runs on the controller's fake tensors to learn output shapes, strides,
     aliasing and mutation: an input whose fake version changes is mutated (all live aliases of its storage go into
     ``mutates``); an output that *is* an input's fake (an in-place op) is that input ``Tensor`` itself, not a new
-    ref. ``writes`` are inputs known to be written besides (an op's schema says so: inside ``__torch_dispatch__``
-    the fakes' versions do not move). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh;
-    the stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
+    ref. ``op`` is the ``OpOverload`` called, if any: the inputs its schema writes (``Tensor(a!)``: in-place and
+    ``out=`` ops) are mutated besides (inside ``__torch_dispatch__`` the fakes' versions do not move). A second
+    call with the same input metadata makes its outputs from the first one's ``Plan`` (``propagation.py``),
+    without running ``shapes``. The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
+    stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
     """
+    key, inputs = call_key(function, shapes, args, kwargs, Tensor, DeviceMesh)
+    if key is not None and inputs:
+        mesh = inputs[0].mesh
+        for x in inputs:
+            if x.mesh is not mesh:
+                mesh = None  # _mesh_of checks them, and says what is wrong
+                break
+        if mesh is not None:
+            for x in inputs:
+                if x._dropped_at is not None:
+                    x.check_usable()  # TypeError DROPPED
+            plan = mesh._session.propagator.plan(key)
+            if plan is not None:
+                groups = _groups_in(args, kwargs) if plan.groups else ()
+                if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
+                    return _issue(plan, function, name, args, kwargs, inputs, mesh, groups)
+    return _call(function, name, shapes, args, kwargs, mesh, op, key)
+
+
+def _groups_in(args: tuple, kwargs: dict) -> list:
+    """The ``RemoteProcessGroup`` arguments of a call."""
+    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteProcessGroup)]
+
+
+def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=()):
+    """Send the ``CallFunction`` of a call whose outputs ``plan`` describes, with the process groups ``groups``
+    among its arguments (each split on the call's stream first); returns its result."""
+    session = mesh._session
+    stream = get_active_stream()
+    with session.lock:
+        session.check_ok()
+        stream_ref = stream.ref_for(session)
+        written = [inputs[i] for i in plan.written]
+        check_access(stream, inputs, written)
+        mutates = session.aliases_of(written) if written else []
+        results, values, new = [], [], []
+        for step in plan.steps:
+            kind = step[0]
+            if kind == TENSOR:
+                _, meta, requires_grad, where, which = step
+                if where == FRESH:
+                    storage = Storage(which)
+                else:
+                    storage = (inputs[which] if where == OF_INPUT else values[which])._storage
+                t = Tensor.viewing(session.new_ref(), storage, meta, requires_grad, mesh, stream)
+                results.append(t.ref)
+                values.append(t)
+                new.append(t)
+            else:
+                results.append(None)
+                values.append(inputs[step[1]] if kind == INPUT else step[1])
+        for group in groups:  # its communicator on this stream is built on its ranks before the call
+            group.ensure_split(stream_ref)
+        seq = session.new_seq()
+        message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
+            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)), stream_ref,
+            tuple(g.ref for g in groups) if groups else (),
+        )
+        session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
+        session.send(message, mesh._rank_list)
+    return values[0] if plan.spec is None else tree_unflatten(values, plan.spec)
+
+
+def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
+    """``call_on_mesh`` without a plan: check the arguments, run ``shapes`` on fakes, record a plan if the call can
+    be cached (``key``), and send the call."""
     leaves, spec = tree_flatten((args, kwargs))
     mesh = _mesh_of(leaves, mesh)
     session = mesh._session
@@ -212,20 +282,25 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()
                 x.define_remotely()
             fake_leaves.append(x)
     fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
-    key = Propagator.key(function, shapes, spec, leaves, Tensor, DeviceMesh)
+    writes = written_tensors(op, args, kwargs) if op is not None else ()
+    written_inputs = [i for i, t in enumerate(inputs) if any(t is w for w in writes)]
     stream = get_active_stream()
     with session.lock:
         session.check_ok()
         stream_ref = stream.ref_for(session)
         try:
             with propagating():
-                out, mutated = session.propagator.run(key, shapes, fake_args, fake_kwargs, [t._fake for t in inputs])
+                out, mutated, plan = session.propagator.run(key, shapes, fake_args, fake_kwargs,
+                                                            [t._fake for t in inputs], written_inputs)
         except Exception as e:
             raise _with_hint(
                 e,
                 f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
                 "with a function that returns outputs of the right shapes",
             ) from e
+        if plan is not None:
+            plan.groups = bool(groups)
+            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups)
         written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written)
@@ -250,13 +325,33 @@ def call_on_mesh(function, name: str, shapes, args, kwargs, mesh=None, writes=()
         for group in groups:  # its communicator on this stream is built on its ranks before the call
             group.ensure_split(stream_ref)
         seq = session.new_seq()
-        message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
+        message = CallFunction(
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
             stream_ref, tuple(g.ref for g in groups) if groups else (),
         )
         session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
     return tree_unflatten(values, out_spec)
+
+
+def written_tensors(func, args, kwargs) -> list:
+    """The remote tensors that ``func`` (an ``OpOverload``) writes, from its schema's alias annotations
+    (``Tensor(a!)``): in-place and ``out=`` ops. Under ``__torch_dispatch__`` the fake tensors' version counters do
+    not move, so the propagation cannot see these writes."""
+    written = _writes.get(func)
+    if written is None:
+        written = _writes[func] = tuple(
+            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found = []
+    for i, name, kwarg_only in written:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        found.extend(x for x in tree_flatten(value)[0] if isinstance(x, Tensor))
+    return found
+
+
+_writes: dict = {}  # OpOverload -> (position, name, kwarg_only) of the arguments it writes
 
 
 def _with_hint(error: Exception, text: str) -> Exception:
@@ -331,3 +426,6 @@ def remote(fn=None, *, propagate=None):
     elif not callable(fn):
         raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
     return Remote(fn, propagate)
+
+
+frontend.remote = remote

@@ -22,8 +22,9 @@ import warnings
 
 from ..protocol import BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse, CreateStream, StreamCreationMode
 from ..protocol import StreamRef
-from .dispatch import propagating
+from .local import propagating
 from .session import DEFAULT_STREAM
+from .tensor import Tensor
 
 __all__ = ["Stream", "Borrow", "main_stream", "get_active_stream", "check_access"]
 
@@ -72,8 +73,6 @@ class Stream:
         ``BorrowFirstUse`` precedes the first operation on ``t2``; ``borrow.drop()`` (or leaving ``with
         borrow:``) ends it. Raises ``TypeError`` for a non-remote or dropped ``t`` or a non-bool ``mutable``,
         ``RuntimeError`` for a mutable borrow of a tensor already borrowed (spec §1)."""
-        from .tensor import Tensor
-
         if not isinstance(t, Tensor):
             raise TypeError(f"Stream.borrow: t must be a remote dask_monarch.Tensor, got {type(t).__name__}")
         if not isinstance(mutable, bool):
@@ -131,8 +130,6 @@ class Borrow:
         return f"<{kind} borrow {self.id} of {self.origin.ref!r} onto {self.stream!r}>"
 
     def _start(self):
-        from .tensor import Tensor
-
         origin, session = self.origin, self._session
         mesh = origin.mesh
         with session.lock:
@@ -229,8 +226,8 @@ def check_access(stream: Stream, reads, writes) -> None:
                 f"onto that stream (stream.borrow(t)) or run the operation under its stream's activate()"
             )
         session = t.mesh._session
-    if session is None:
-        return
+    if session is None or not (session._lent or session._borrowed or session._deferred):
+        return  # no borrow is live (nor one waiting to be dropped): nothing more to check
     written = {id(t) for t in writes}
     used = []  # borrows whose tensors this operation uses: their first use goes out once every check passed
     for t in reads:

@@ -1,8 +1,8 @@
 """``Tensor``: the controller's handle to a tensor that lives on every rank of a mesh (Monarch's ``Tensor``).
 
-It is a ``torch.Tensor`` subclass (a wrapper without storage) that knows its ``Ref``, its mesh and stream, and a
-fake tensor (``torch._subclasses.FakeTensor``) with the shape, dtype, strides and aliasing every rank's tensor
-has. Every torch operation on it runs on its mesh (``__torch_dispatch__``; spec §1 "Dispatch"), autograd included,
+It is a ``torch.Tensor`` subclass (a wrapper without storage) that knows its ``Ref``, its mesh and stream, the
+``Storage`` it views (its aliases share one), and, made when first needed, a fake tensor
+(``torch._subclasses.FakeTensor``) with the shape, dtype, strides and aliasing every rank's tensor has. Every torch operation on it runs on its mesh (``__torch_dispatch__``; spec §1 "Dispatch"), autograd included,
 which runs on the controller and sends each backward op to the mesh. It pickles as its ``Ref``, so passing it to a
 remote function sends the reference, and when the handle is garbage-collected the ref is freed on the workers
 (``DeleteRefs``). ``drop()`` frees it at once; a dropped tensor cannot be used again (``DROPPED``).
@@ -16,32 +16,36 @@ import traceback
 import torch
 
 from ..protocol import Ref
+from .mesh import frontend
+from .propagation import fake_view
+from .storage import Storage, storage_of
 
 __all__ = ["Tensor"]
 
 
+def _make(cls, size, stride, offset, dtype, device, requires_grad, layout):
+    return torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=offset, device=device,
+                                               dtype=dtype, layout=layout, requires_grad=requires_grad)
+
+
 class Tensor(torch.Tensor):
     """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream`` (a ``dask_monarch.Stream``). ``shape``/``dtype``/``device``/``stride()``
-    come from the controller's fake tensor ``_fake``. Fetch its value with ``dask_monarch.fetch_shard`` or
-    ``inspect``; ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
+    are every rank's; ``_storage`` is the ``Storage`` it views (``storage.py``) and ``_fake`` its fake tensor on
+    the controller, made when first needed. Fetch its value with ``dask_monarch.fetch_shard`` or ``inspect``;
+    ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
 
     # ops reach __torch_dispatch__ directly; autograd still runs above it on the controller
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, ref: Ref, fake: torch.Tensor, mesh, stream):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls,
-            fake.size(),
-            strides=fake.stride(),
-            storage_offset=fake.storage_offset(),
-            device=fake.device,
-            dtype=fake.dtype,
-            layout=fake.layout,
-            requires_grad=fake.requires_grad,
-        )
+        """The remote tensor ``ref`` with the metadata and storage of fake tensor ``fake``."""
+        meta = (tuple(fake.shape), fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
+        t = _make(cls, *meta, fake.requires_grad, fake.layout)
         t.ref = ref
-        t._fake = fake
+        t._storage = storage_of(fake)
+        t._meta = meta  # (size, stride, storage offset, dtype, device), as the cache keys of calls use it
+        t._fake_tensor = fake
         t.mesh = mesh
         t.stream = stream
         t._dropped_at = None
@@ -52,10 +56,41 @@ class Tensor(torch.Tensor):
         pass
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import run_op
+    def viewing(cls, ref: Ref, storage: Storage, meta: tuple, requires_grad: bool, mesh, stream) -> "Tensor":
+        """The remote tensor ``ref`` viewing ``storage`` with ``meta`` = ``(size, stride, storage offset, dtype,
+        device)``, without a fake tensor yet (the fast path of a call whose shapes are cached)."""
+        size, stride, offset, dtype, device = meta
+        t = _make(cls, size, stride, offset, dtype, device, requires_grad, torch.strided)
+        t.ref = ref
+        t._storage = storage
+        t._meta = meta
+        t._fake_tensor = None
+        t.mesh = mesh
+        t.stream = stream
+        t._dropped_at = None
+        mesh._session.track(t)
+        return t
 
-        return run_op(func, args, kwargs or {})
+    @property
+    def _fake(self):
+        """The fake tensor (of the session's ``FakeTensorMode``) with this tensor's metadata, on its storage's meta
+        storage (made now if this tensor has none yet)."""
+        fake = self._fake_tensor
+        if fake is None:
+            size, stride, offset, dtype, device = self._meta
+            fake = self._fake_tensor = fake_view(self.mesh._session.fake_mode, self._storage.meta(), offset, size,
+                                                 stride, dtype, device)
+        return fake
+
+    @_fake.setter
+    def _fake(self, fake) -> None:
+        self._fake_tensor = fake
+        self._storage = storage_of(fake)
+        self._meta = (tuple(fake.shape), fake.stride(), fake.storage_offset(), fake.dtype, fake.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return frontend.run_op(func, args, kwargs or {})
 
     # ------------------------------------------------------------------------------------------------- .data
     @property
@@ -69,39 +104,7 @@ class Tensor(torch.Tensor):
         keeps its ref, which on every rank now holds an alias of ``value`` (``DeleteRefs`` of the old value, then
         ``CallFunction(aten.alias)`` into the same ref). Raises ``TypeError`` (LOCAL_TENSOR, WRONG_MESH,
         WRONG_STREAM, DROPPED, BORROWED) for a value this handle cannot take."""
-        from ..protocol import ArgsKwargs, CallFunction, DeleteRefs
-        from .dispatch import op_path, propagating
-        from .stream import check_access
-
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"LOCAL_TENSOR: cannot set .data of remote tensor {self.ref!r} to a local {type(value).__name__}"
-            )
-        if value.mesh._session is not self.mesh._session or value.mesh._rank_list != self.mesh._rank_list:
-            raise TypeError(f"WRONG_MESH: cannot set .data of {self.ref!r} ({self.mesh!r}) to a tensor of {value.mesh!r}")
-        self.check_usable()
-        value.check_usable()
-        session = self.mesh._session
-        alias = torch.ops.aten.alias.default
-        with session.lock:
-            session.check_ok()
-            check_access(self.stream, [value, self], [self])
-            with propagating(), session.fake_mode:
-                fake = alias(value._fake)  # shares value's fake storage: the two are aliases from now on
-            ranks = self.mesh._rank_list
-            # the ref keeps its id (messages already queued pickle it when they are sent), so it is freed and
-            # written again, in that order, on every rank
-            session.send(DeleteRefs([self.ref]), ranks)
-            seq = session.new_seq()
-            session.record(seq, defs=[self], uses=[value], what=".data assignment")
-            session.send(
-                CallFunction(seq, [self.ref], (), op_path(alias), ArgsKwargs((value,), {}),
-                             self.stream.ref_for(session), ()),
-                ranks,
-            )
-            torch.Tensor.data.__set__(self, value)  # shape, strides, dtype and device, as torch does
-            old_fake, self._fake = self._fake, fake
-            session.retrack(self, old_fake)
+        frontend.assign_data(self, value)
 
     def __deepcopy__(self, memo):
         """``copy.deepcopy``: a remote copy of this tensor on the same mesh and stream (``clone()`` on every
@@ -120,31 +123,23 @@ class Tensor(torch.Tensor):
     # ---------------------------------------------------------------------------------------------- reductions
     def reduce(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None, out: "Tensor | None" = None):
         """``dask_monarch.reduce`` of this tensor; see there (spec §1 ``t.reduce``)."""
-        from .reduce import reduce_one
-
-        return reduce_one(self, dims, reduction, scatter, mesh, False, out)
+        return frontend.reduce_one(self, dims, reduction, scatter, mesh, False, out)
 
     def reduce_(self, dims, reduction: str = "sum", scatter: bool = False, mesh=None) -> "Tensor":
         """In-place ``reduce``: this tensor holds the result afterwards, and is returned (spec §1)."""
-        from .reduce import reduce_one
-
-        return reduce_one(self, dims, reduction, scatter, mesh, True, None)
+        return frontend.reduce_one(self, dims, reduction, scatter, mesh, True, None)
 
     # ---------------------------------------------------------------------------------------------- movement
     def to_mesh(self, mesh, stream=None) -> "Tensor":
         """A copy of this tensor on ``mesh`` (on ``stream``, default this tensor's): ``dask_monarch.to_mesh``;
         see there (spec §1 "to_mesh")."""
-        from .to_mesh import send
-
-        return send(self, self.mesh, mesh, stream)
+        return frontend.to_mesh(self, self.mesh, mesh, stream)
 
     def slice_mesh(self, **selection):
         """This tensor restricted to ``self.mesh.slice(**selection)``, as the source of a ``.to_mesh(...)``
         (Monarch's ``MeshSliceTensor``; spec §1 "to_mesh")."""
-        from .to_mesh import MeshSliceTensor
-
         self.check_usable()
-        return MeshSliceTensor(self, self.mesh.slice(**selection))
+        return frontend.slice_mesh(self, self.mesh.slice(**selection))
 
     # ------------------------------------------------------------------------------------------------ lifetime
     @property

@@ -27,8 +27,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..protocol import BackendNetworkPointToPointInit, Factory, SendTensor, Slice
-from .dispatch import propagating
-from .mesh import DeviceMesh
+from .local import propagating
+from .mesh import DeviceMesh, frontend
 from .stream import Stream, check_access
 from .tensor import Tensor
 
@@ -163,3 +163,7 @@ def slice_mesh(tensors, **selection):
     ``to_mesh``); other leaves are kept. ``selection`` is as for ``DeviceMesh.slice`` (``KeyError`` for an
     unknown dim, ``IndexError`` out of range)."""
     return tree_map(lambda x: x.slice_mesh(**selection) if isinstance(x, Tensor) else x, tensors)
+
+
+frontend.to_mesh = send
+frontend.slice_mesh = MeshSliceTensor

@@ -47,7 +47,7 @@ class _Graph:
 
 
 def _check_cuda(step: Call, env, index: int) -> None:
-    values = [env.get(rid) for _, rid in step.slots]
+    values = [env.get(rid) for rid in step.reads()]
     values += [env.get(r.id) for r in step.results if r is not None]
     for value in values:
         if isinstance(value, torch.Tensor) and not value.is_cuda and value.dim() > 0:

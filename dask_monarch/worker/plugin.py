@@ -1,12 +1,17 @@
 """``MonarchWorkerPlugin`` and the task functions that carry controller messages to it
 (DESIGN.md "Seed concept -> Dask concept").
 
-The controller sends each worker its messages as pinned Dask tasks:
+The controller sends each worker its messages as pinned Dask tasks, each carrying one batch or, when the session
+has an answer channel to the worker (``worker/channel.py``, whose handler this plugin adds), the batches sent on
+the channel meanwhile:
 
-* ``deliver_batch`` (key ``monarch-messages-...``, ``async``): hands a batch to the session's inbox and returns.
-* ``sync_batch`` (keys ``monarch-fetch-...``, ``monarch-status-...``, ``monarch-exit-...``): hands its batch over (which ends with ``RequestStatus{seq}``),
-  secedes from the worker's thread pool so it never blocks other tasks, waits for ``Status{seq + 1}``, and
-  returns the pickled outbox (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``, ...).
+* ``deliver_batch`` / ``deliver_batches`` (key ``monarch-messages-...``, ``async``): hands its batches to the
+  session's inbox (which ignores a batch it already has) and returns.
+* ``sync_batch`` / ``sync_batches`` (keys ``monarch-fetch-...``, ``monarch-status-...``, ``monarch-exit-...``):
+  hands its batches over (the last ends with ``RequestStatus{seq}``), secedes from the worker's thread pool so it
+  never blocks other tasks, waits for ``Status{seq + 1}``, and returns the outbox's chunks that the channel did
+  not deliver (``Outbox.for_task``: ``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``,
+  ...), each pickled on its own.
 """
 
 from __future__ import annotations
@@ -14,18 +19,18 @@ from __future__ import annotations
 import pickle
 import threading
 
-import cloudpickle
-
 from distributed import get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
-from ..protocol import FetchResult, SessionFailed, WorkerError
+from ..protocol import SessionFailed, WorkerError
 from . import prometheus
+from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
 from .tensor_worker import SessionParams, TensorWorker
 
-__all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "METRICS_KEY", "deliver_batch", "sync_batch"]
+__all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "METRICS_KEY", "deliver_batch", "deliver_batches", "sync_batch",
+           "sync_batches", "SETTLE"]
 
 PLUGIN_NAME = "dask-monarch"
 #: worker stream-handler op that ends a session (sent through ``Scheduler.worker_send``)
@@ -33,6 +38,8 @@ END_SESSION_OP = "monarch-end-session"
 #: the key of dask_monarch's numbers in ``worker.metrics`` (sent with every heartbeat; ``worker/metrics.py``)
 METRICS_KEY = "monarch"
 _CLOSED_MEMORY = 1024
+#: seconds a sync task waits for the answer channel's pushes under way to be acknowledged (``Outbox.for_task``)
+SETTLE = 2.0
 
 
 class MonarchWorkerPlugin(WorkerPlugin):
@@ -54,12 +61,17 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.closed: dict[str, str | None] = {}  # ended session -> its failure text, or None
         self._lock = threading.Lock()
         worker.stream_handlers[END_SESSION_OP] = self.end_session
+        worker.handlers[CHANNEL_OP] = self.channel
         worker.metrics[METRICS_KEY] = self.metrics
         prometheus.register(self)
 
     def metrics(self, worker) -> dict:
         """The heartbeat metric (``worker_snapshot``)."""
         return worker_snapshot(self)
+
+    async def channel(self, comm, params: bytes) -> None:
+        """Handler ``monarch_channel``: serve a session's answer channel on ``comm`` (``worker/channel.py``)."""
+        await serve(self, comm, params)
 
     def end_session(self, session_id: str, reason: str) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
@@ -169,47 +181,43 @@ def _plugin() -> MonarchWorkerPlugin:
 async def deliver_batch(params: SessionParams, batch_seq: int, segments: list) -> int:
     """Hand batch ``batch_seq`` (pickled message segments) to the session's inbox. Returns the message count
     estimate of segments delivered (0 if the session already ended on this worker)."""
+    return await deliver_batches(params, [(batch_seq, segments)])
+
+
+async def deliver_batches(params: SessionParams, batches: list) -> int:
+    """Hand ``batches`` (``(batch_seq, segments)`` pairs) to the session's inbox, which ignores those it already has
+    (they came on the answer channel). Returns the number of segments (0 if the session already ended here)."""
     tw = _plugin().tensor_worker(params)
     if tw is None:
         return 0
-    tw.inbox.put(batch_seq, segments)
-    return len(segments)
+    for batch_seq, segments in batches:
+        tw.inbox.put(batch_seq, segments)
+    return sum(len(segments) for _, segments in batches)
 
 
-def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> bytes:
-    """Deliver batch ``batch_seq``, whose last message is ``RequestStatus{status_seq}`` (then ``Exit`` if
-    ``exit``), then wait (seceded) for ``Status{status_seq + 1}`` (and for the session to close if ``exit``) and
-    return the pickled ``(chunk, messages)``: the controller messages collected so far and the number of this
-    drain of the outbox (``TensorWorker.drain``); ``chunk`` is None when the session had already ended here."""
+def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> list:
+    """``sync_batches`` of the one batch ``batch_seq``."""
+    return sync_batches(params, [(batch_seq, segments)], status_seq, exit)
+
+
+def sync_batches(params: SessionParams, batches: list, status_seq: int, exit: bool = False) -> list:
+    """Deliver ``batches`` (``(batch_seq, segments)`` pairs), the last of which ends with ``RequestStatus{status_seq}``
+    (then ``Exit`` if ``exit``), then wait (seceded) for ``Status{status_seq + 1}`` (and for the session to close if
+    ``exit``) and return the answer chunks that the channel did not deliver, each pickled ``(chunk, messages)``
+    (``Outbox.for_task``): ``[]`` when it delivered everything; ``chunk`` is None when the session had already
+    failed or ended here because of another process (a chunk that fails the session at the controller). A task of a
+    session that this worker ended cleanly (after ``Exit``) finds nothing to do: ``[]``."""
     plugin = _plugin()
     tw = plugin.tensor_worker(params)
     if tw is None:
+        if params[0] in plugin.closed and plugin.closed[params[0]] is None:
+            return []
         text = plugin.closed.get(params[0]) or f"session {params[0]} already ended on this worker"
-        return pickle.dumps((None, [SessionFailed(WorkerError(text, get_worker().address))]))
+        return [pickle.dumps((None, [SessionFailed(WorkerError(text, get_worker().address))]))]
     secede()
-    tw.inbox.put(batch_seq, segments)
+    for batch_seq, segments in batches:
+        tw.inbox.put(batch_seq, segments)
     tw.wait_status(status_seq)
     if exit:
         tw.wait_closed()
-    chunk, messages = tw.drain()
-    return _dumps_outbox(chunk, messages, tw.actor_id)
-
-
-def _dumps_outbox(chunk: int, messages: list, actor_id: str) -> bytes:
-    """Pickle ``(chunk, messages)``; a fetched value that cannot be pickled becomes that fetch's error, nothing
-    is lost."""
-    try:
-        return pickle.dumps((chunk, messages), protocol=5)
-    except Exception:
-        pass
-    safe = []
-    for msg in messages:
-        try:
-            cloudpickle.dumps(msg, protocol=5)
-        except Exception as e:
-            if not isinstance(msg, FetchResult):
-                raise
-            text = f"the fetched value of type {type(msg.value).__name__} cannot be pickled: {type(e).__name__}: {e}"
-            msg = FetchResult(msg.seq, error=WorkerError(text, actor_id))
-        safe.append(msg)
-    return cloudpickle.dumps((chunk, safe), protocol=5)
+    return tw.outbox.for_task(SETTLE)

@@ -125,15 +125,15 @@ class Program:
 
 
 def _runners(steps: list) -> tuple[list, list]:
-    """What a replay calls, in order, and the step each starts at: a compiled block for each run of two or more
-    ``blockable`` steps (``worker/blocks.py``), else the step's runner."""
+    """What a replay calls, in order, and the step each starts at: a compiled block for each run of ``blockable``
+    steps (``worker/blocks.py``), else the step's runner."""
     runners, starts = [], []
     i = 0
     while i < len(steps):
         j = i
         while j < len(steps) and blockable(steps[j]):
             j += 1
-        if j - i >= 2:
+        if j > i:
             runners.append(compile_block(steps[i:j], i))
             starts.append(i)
             i = j

@@ -17,6 +17,8 @@ import torch
 from ..protocol import FunctionPath, PickledValue, Ref, resolve_function
 from ..protocol.function import TEST_PANIC
 from .errors import DependentError, FatalError, SeqError, ValueFailure
+from torch.utils._pytree import tree_flatten
+
 from .stream import _PLAIN, _leaves, _load_argument
 
 __all__ = ["Call", "ReduceStep", "Formal", "Result", "Delete", "BorrowStep", "Failed"]
@@ -34,10 +36,13 @@ class Failed(Exception):
 
 # ------------------------------------------------------------------------------------------------------- steps
 class Call:
-    """A prepared ``CallFunction``: ``run`` looks up the ref arguments, calls, and stores the result leaves."""
+    """A prepared ``CallFunction``. Each argument is bound once to a spec: ``("ref", id)``, ``("const", value)``
+    (plain values, loaded pickled values, meshes, containers without refs), ``("list", type, items)`` (a list or
+    tuple of refs and constants) or ``("nested", obj)`` (anything else that holds refs: resolved at each call).
+    ``run`` looks the refs up, calls, and stores the result leaves."""
 
-    __slots__ = ("msg", "index", "name", "fn", "error", "args", "slots", "nested", "kwargs", "nested_kwargs",
-                 "single", "results", "mutates", "groups")
+    __slots__ = ("msg", "index", "name", "fn", "error", "args", "kwargs", "nested", "results", "mutates", "returns",
+                 "groups")
 
     def __init__(self, msg):
         self.msg = msg
@@ -51,6 +56,7 @@ class Call:
         value error of every replay (as it would be of every eager call)."""
         msg = self.msg
         self.error = None
+        self.returns = None  # the op's return types, from its schema
         try:
             if type(msg.function) is FunctionPath and msg.function.path == TEST_PANIC:
                 self.error = FatalError(f"CallFunction {msg.seq}: {TEST_PANIC} asked the stream to fail")
@@ -59,108 +65,75 @@ class Call:
                 fn = resolve_function(msg.function)
                 if type(msg.function) is not FunctionPath:  # by value: name it by what it is
                     self.name = getattr(fn, "__qualname__", None) or self.name
-                fn = getattr(fn, "_op", fn) if isinstance(fn, torch._ops.OpOverload) else fn
+                if isinstance(fn, torch._ops.OpOverload):
+                    self.returns = [str(r.type) for r in fn._schema.returns]
+                    fn = fn._op
         except Exception as e:
             fn = None
             self.error = ValueFailure(
                 f"invalid remote function: failed to resolve function {msg.function!r}: {type(e).__name__}: {e}"
             )
         self.fn = fn
-        meshes = tw.device_meshes
         # the process groups among the arguments, bound once: the controller split them before the definition
-        self.groups = groups = tw.process_groups.for_call(
+        self.groups = tw.process_groups.for_call(
             msg.remote_process_groups, msg.stream.id, f"CallFunction {msg.seq}") if msg.remote_process_groups else {}
-        args, slots, nested = [], [], []
-        for pos, a in enumerate(msg.args_kwargs.args):
-            t = type(a)
-            if t is Ref:
-                if a.id in groups:
-                    args.append(groups[a.id])
-                elif a.id in meshes:
-                    args.append(meshes[a.id])
-                else:
-                    args.append(None)
-                    slots.append((pos, a.id))
-            elif t is PickledValue:
-                try:
-                    args.append(_load_argument(a))
-                except Exception as e:
-                    args.append(None)
-                    self.error = self.error or e
-            elif t in _PLAIN:
-                args.append(a)
-            else:
-                args.append(None)
-                nested.append((pos, a))
-        self.args, self.slots, self.nested = args, tuple(slots), tuple(nested)
-        kwargs = msg.args_kwargs.kwargs
-        self.nested_kwargs = any(type(v) not in _PLAIN for v in kwargs.values())
-        self.kwargs = kwargs
-        results = self.results
-        self.single = results[0].id if len(results) == 1 and results[0] is not None else None
+        self.args = [self._bind(a, tw) for a in msg.args_kwargs.args]
+        self.kwargs = {k: self._bind(v, tw) for k, v in msg.args_kwargs.kwargs.items()}
+        self.nested = any(spec[0] == "nested" for spec in (*self.args, *self.kwargs.values()))
+
+    def _bind(self, a, tw) -> tuple:
+        t = type(a)
+        if t is Ref:
+            group = self.groups.get(a.id)
+            if group is not None:
+                return ("const", group)
+            mesh = tw.device_meshes.get(a.id)
+            return ("ref", a.id) if mesh is None else ("const", mesh)
+        if t is PickledValue:
+            try:
+                return ("const", _load_argument(a))
+            except Exception as e:
+                self.error = self.error or e
+                return ("const", None)
+        if t in _PLAIN:
+            return ("const", a)
+        if t in (list, tuple) and all(type(x) is Ref or type(x) in _PLAIN for x in a):
+            if not any(type(x) is Ref for x in a):
+                return ("const", a)
+            return ("list", t, [self._bind(x, tw) for x in a])
+        if not any(type(x) is Ref or type(x) is PickledValue or hasattr(x, "__monarch_ref__")
+                   for x in tree_flatten(a)[0]):
+            return ("const", a)
+        return ("nested", a)
 
     @property
     def fast(self) -> bool:
-        """Whether this is the common case: an op that returns one tensor, whose arguments are refs and plain
-        values. Such a step runs without checking its inputs (``runner``, ``worker/blocks.py``):
+        """Whether this step runs from a compiled block (``worker/blocks.py``): an op whose schema returns tensors
+        (or nothing) matching the results, with no nested arguments. Such a step does not check its inputs:
         ``Program.check_inputs`` looks at the recording's inputs once per replay, and the steps before it made the
-        others (a failure would have stopped the fast path); ``failed`` finds out what went wrong."""
-        if self.error is not None or self.nested or self.nested_kwargs or self.kwargs or self.single is None:
+        others (a failure would have stopped the run); ``failed`` finds out what went wrong."""
+        returns = self.returns
+        if self.error is not None or self.nested or returns is None or any(r != "Tensor" for r in returns):
             return False
-        schema = getattr(self.msg_op(), "_schema", None)
-        return schema is not None and len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+        return len(self.results) == max(1, len(returns)) and (returns or self.results[0] is None)
 
     def runner(self):
-        """What a replay calls for this step: ``run``, or for a ``fast`` step a function of exactly that call."""
-        fn, args, single = self.fn, self.args, self.single
-        if not self.fast:
-            return self.run
-        slots = self.slots
-        if len(args) == 1 and len(slots) == 1:
-            (_, r0), = slots
+        """What a replay calls for this step when it is not ``fast``."""
+        return self.run
 
-            def run1(stream, env, call):
-                env[single] = fn(env[r0])
-
-            return run1
-        if len(args) == 2 and len(slots) == 1 and slots[0][0] == 0:
-            r0, c1 = slots[0][1], args[1]
-
-            def run2c(stream, env, call):
-                env[single] = fn(env[r0], c1)
-
-            return run2c
-        if len(args) == 2 and len(slots) == 2:
-            r0, r1 = slots[0][1], slots[1][1]
-
-            def run2(stream, env, call):
-                env[single] = fn(env[r0], env[r1])
-
-            return run2
-
-        def run_any(stream, env, call):
-            a = args.copy()
-            for pos, rid in slots:
-                a[pos] = env[rid]
-            env[single] = fn(*a)
-
-        return run_any
-
-    def msg_op(self):
-        """The ``OpOverload`` this step calls, or None (its schema tells how many tensors it returns)."""
-        try:
-            op = resolve_function(self.msg.function)
-        except Exception:
-            return None
-        return op if isinstance(op, torch._ops.OpOverload) else None
-
-    def reads(self) -> tuple:
-        """The ref ids this step reads at the top level of its arguments."""
-        return tuple(rid for _, rid in self.slots)
+    def reads(self) -> list:
+        """The ref ids this step reads, outside nested containers."""
+        out = []
+        for spec in (*self.args, *self.kwargs.values()):
+            if spec[0] == "ref":
+                out.append(spec[1])
+            elif spec[0] == "list":
+                out.extend(item[1] for item in spec[2] if item[0] == "ref")
+        return out
 
     def _diagnose(self, env) -> BaseException | None:
         """Why this step's inputs cannot be read (the fast path does not check), or None."""
-        for _, rid in self.slots:
+        for rid in self.reads():
             value = env.get(rid, _MISSING)
             if value is _MISSING:
                 return ValueFailure(f"ref not found: r{rid}")
@@ -168,36 +141,40 @@ class Call:
                 return DependentError(value)
         return None
 
+    def _value(self, spec, stream, env):
+        kind = spec[0]
+        if kind == "ref":
+            try:
+                value = env[spec[1]]
+            except KeyError:
+                raise ValueFailure(f"ref not found: r{spec[1]}") from None
+            if type(value) is SeqError:
+                raise DependentError(value)
+            return value
+        if kind == "const":
+            return spec[1]
+        if kind == "list":
+            return spec[1](self._value(item, stream, env) for item in spec[2])
+        return stream._resolve(spec[1], True, self.groups)
+
     def run(self, stream, env, call) -> None:
         if self.error is not None:
             raise self.error
-        args = self.args
-        if self.slots or self.nested:
-            args = args.copy()
-            for pos, rid in self.slots:
-                try:
-                    value = env[rid]
-                except KeyError:
-                    raise ValueFailure(f"ref not found: r{rid}") from None
-                if type(value) is SeqError:
-                    raise DependentError(value)
-                args[pos] = value
-            for pos, obj in self.nested:
-                args[pos] = stream._resolve(obj, True, self.groups)
-        kwargs = self.kwargs
-        if self.nested_kwargs:
-            kwargs = {k: stream._resolve(v, True, self.groups) for k, v in kwargs.items()}
+        args = [self._value(spec, stream, env) for spec in self.args]
+        kwargs = {k: self._value(spec, stream, env) for k, spec in self.kwargs.items()}
         out = self.fn(*args, **kwargs)
-        if self.single is not None and type(out) is _TENSOR:
-            env[self.single] = out
+        results = self.results
+        if len(results) == 1 and type(out) is _TENSOR:
+            if results[0] is not None:
+                env[results[0].id] = out
             return
         leaves = _leaves(out)
-        if len(leaves) != len(self.results):
+        if len(leaves) != len(results):
             raise ValueFailure(
-                f"unexpected number of returns from op, expected {len(self.results)}, got {len(leaves)}"
+                f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
                 f" (function {self.msg.function!r})"
             )
-        for ref, value in zip(self.results, leaves):
+        for ref, value in zip(results, leaves):
             if ref is not None:
                 env[ref.id] = value
 

@@ -5,13 +5,12 @@ Batches arrive through the ``Inbox`` in the controller's order. One dispatcher t
 each message with the handler named after it (``CallFunction`` -> ``call_function``, ...); a segment of messages
 that all run on one stream goes to that stream unopened (``protocol/batch.py``). Handlers that belong to
 a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. Answers for the
-controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox, which the
-``sync_batch`` tasks drain.
+controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox
+(``worker/outbox.py``), which the session's answer channel pushes and the ``sync_batch`` tasks take.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import traceback
@@ -58,6 +57,7 @@ from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox, load_segment
+from .outbox import Outbox
 from .process_group import ProcessGroups, unregister, wrap
 from .recording import Definitions
 from .send_tensor import Exchange, Take, plan
@@ -117,9 +117,7 @@ class TensorWorker:
         self.p2p: dict = {}
         self.process_groups = ProcessGroups(self)
         self.inbox = Inbox()
-        self.outbox: collections.deque = collections.deque()
-        self._drain_lock = threading.Lock()
-        self._chunks = 0
+        self.outbox = Outbox(self.actor_id)
         self.failure: str | None = None
         #: the last root failure reported (``(seq, text)``) and how many there were, for the dashboard
         self.last_error: tuple[int, str] | None = None
@@ -226,23 +224,9 @@ class TensorWorker:
 
     # ------------------------------------------------------------------------------------------ answers, failure
     def report(self, message) -> None:
-        """Queue a controller message (``RemoteFunctionFailed``, ``FetchResult``, ...) for the next sync task."""
-        self.outbox.append(message)
-
-    def drain(self) -> tuple[int, list]:
-        """Take everything in the outbox, numbered: ``(chunk, messages)``. Chunks are numbered 0, 1, ... in the
-        order they were taken, so the controller applies them in outbox order even when the tasks that carry
-        them finish out of order (two status tasks in flight)."""
-        with self._drain_lock:
-            chunk = self._chunks
-            self._chunks += 1
-            out = []
-            pop = self.outbox.popleft
-            while True:
-                try:
-                    out.append(pop())
-                except IndexError:
-                    return chunk, out
+        """Queue a controller message (``RemoteFunctionFailed``, ``FetchResult``, ...) for the controller
+        (``Outbox.put``)."""
+        self.outbox.put(message)
 
     def note_error(self, seq: int, text: str) -> None:
         """Remember a root failure (``RemoteFunctionFailed``) for the dashboard; called on error paths only."""
@@ -321,6 +305,7 @@ class TensorWorker:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+        self.outbox.closed()
         if self._on_close is not None:
             self._on_close(self.session_id, self.failure)
 

@@ -1,0 +1,183 @@
+"""Liveness of a session (``Session``'s concern ``Liveness``; spec/dask-notes.md §5): whether the mesh's workers are
+still there, and who did not answer.
+
+A wait checks every ``liveness_interval`` that each rank's worker is still in the cluster, not shutting down, not
+restarted (the process the rank was pinned to at attach, ``pin_workers``) and sending the scheduler heartbeats
+(``heartbeat_timeout``); a wait that runs out of time names the ranks that did not answer and what their workers
+report (``describe_pending``). Every question to the scheduler or a worker is bounded (``PROBE_TIMEOUT``): a
+stopped worker is named, not waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from ..exceptions import SessionError
+from ..worker.plugin import session_state
+
+__all__ = ["Liveness"]
+
+#: what the worker's failure text says when a collective or a communicator failed (``worker/comm.py``)
+_COMM_FAILURE = re.compile(r"communicator|among .+ (failed|abandoned)|comm_timeout")
+
+#: statuses of a Dask worker that is going away (``distributed.core.Status``)
+_CLOSING = ("closing", "closing_gracefully", "closed", "stopping", "stopped", "failed")
+
+
+class Liveness:
+    """The session's liveness checks (a part of ``Session``; see the module's docstring)."""
+
+    #: how long a diagnostic question to a worker or the scheduler may take (the liveness check of a wait allows
+    #: the scheduler ``heartbeat_timeout``)
+    PROBE_TIMEOUT = 5.0
+
+    def describe_pending(self, seq: int, diagnose: bool = False) -> str:
+        """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, how long ago each sent the
+        scheduler a heartbeat and what its worker reports about this session (inbox position, stream queues,
+        failure). Every question is bounded (``PROBE_TIMEOUT``): a stopped worker is named, not waited for."""
+        late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
+        who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
+        text = f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
+        if diagnose and late:
+            addresses = [self.workers[r] for r in late]
+            try:
+                ages = self._worker_ages(self.PROBE_TIMEOUT)[0]
+            except Exception:
+                ages = {}
+            states = self._probe_workers(addresses)
+            sent = {self.workers[r]: self._batch_seq[r] for r in late}
+            for address in addresses:
+                age = ages.get(address)
+                beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
+                text += f"\n  {address}: {beat}{states[address]}; batches sent to it: {sent.get(address)}"
+        return text
+
+    def _probe_workers(self, addresses: list) -> dict:
+        """``session_state`` of each worker, asked one by one in parallel, each bounded by ``PROBE_TIMEOUT``."""
+        timeout = self.PROBE_TIMEOUT
+        client = self.client
+
+        async def ask(address):
+            try:
+                answer = await asyncio.wait_for(
+                    client._run(session_state, self.id, workers=[address], on_error="return"), timeout
+                )
+                return repr(answer.get(address, answer))
+            except asyncio.TimeoutError:
+                return f"did not answer within {timeout:g} s (stopped, hung or unreachable)"
+            except Exception as e:
+                return f"could not be asked: {type(e).__name__}: {e}"
+
+        async def ask_all():
+            return dict(zip(addresses, await asyncio.gather(*(ask(a) for a in addresses))))
+
+        try:
+            return client.sync(ask_all, callback_timeout=timeout + 5)
+        except Exception as e:
+            return {a: f"could not be asked: {type(e).__name__}: {e}" for a in addresses}
+
+    def _worker_ages(self, timeout: float | None = None) -> tuple[dict, float, dict, dict]:
+        """(seconds since each mesh worker's last heartbeat, or None if it left; the heartbeat interval; the id
+        of each worker's process, or None; each worker's status, e.g. ``"closing"``), from the scheduler, bounded
+        by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may take seconds to
+        answer, and a silent scheduler is judged like a silent worker)."""
+        timeout = self.heartbeat_timeout if timeout is None else timeout
+        answer = self.client.sync(
+            self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
+        )
+        if answer is None:  # the scheduler runs an older dask_monarch without the handler: membership only
+            info = self.client.sync(self.client.scheduler.identity, callback_timeout=timeout)
+            known = info.get("workers", {})
+            ids = {a: known[a].get("id") if a in known else None for a in self.workers}
+            return {a: (0.0 if a in known else None) for a in self.workers}, 0.0, ids, {}
+        return answer["ages"], float(answer["interval"]), answer.get("ids", {}), answer.get("status", {})
+
+    def pin_workers(self) -> None:
+        """Remember the process behind each rank's address (the scheduler's worker id), so that one restarted
+        at the same address (fixed ports: the nanny brings it back there) is told apart from it."""
+        try:
+            self._worker_ids = dict(self._worker_ages()[2])
+        except Exception:
+            self._worker_ids = None  # the first liveness check pins them
+
+    def _unhealthy(self, ages: dict, interval: float, ids: dict | None = None, status: dict | None = None) -> str:
+        """The ranks whose worker left the cluster, is shutting down or was restarted, else those silent for
+        more than ``heartbeat_timeout`` (and ten heartbeat intervals), as text; empty if all look alive."""
+        gone = [(r, a) for r, a in enumerate(self.workers) if ages.get(a, 0.0) is None]
+        if gone:
+            names = ", ".join(f"rank {r} ({a})" for r, a in gone)
+            return f"worker(s) left the cluster: {names}"
+        closing = [(r, a) for r, a in enumerate(self.workers) if (status or {}).get(a) in _CLOSING]
+        if closing:
+            names = ", ".join(f"rank {r} ({a})" for r, a in closing)
+            return f"worker(s) shutting down (closed, restarted or retired): {names}"
+        pinned = self._worker_ids
+        if ids and pinned is None:
+            self._worker_ids = pinned = dict(ids)
+        if ids and pinned:
+            new = [(r, a) for r, a in enumerate(self.workers)
+                   if ids.get(a) and pinned.get(a) and ids.get(a) != pinned.get(a)]
+            if new:
+                names = ", ".join(f"rank {r} ({a})" for r, a in new)
+                return (f"{names} was restarted (a new worker process at the same address): the session's state "
+                        "there is gone")
+        limit = max(self.heartbeat_timeout, 10 * interval)
+        stale = [(r, a, ages[a]) for r, a in enumerate(self.workers) if (ages.get(a) or 0.0) > limit]
+        if stale:
+            names = ", ".join(f"rank {r} ({a}) has sent no heartbeat to the Dask scheduler for {age:.0f} s"
+                              for r, a, age in stale)
+            return (f"{names} (heartbeat_timeout={self.heartbeat_timeout:g} s): its process is stopped, hung or "
+                    "its event loop is blocked")
+        return ""
+
+    def check_alive(self) -> None:
+        """Raise ``SessionError`` if the session failed, a worker of the mesh left the cluster, or one has been
+        silent for longer than ``heartbeat_timeout`` (a stopped process, which Dask keeps for its worker-ttl)."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            ages, interval, ids, status = self._worker_ages()
+        except Exception as e:
+            err = SessionError(f"session {self.id}: the Dask scheduler is unreachable: {type(e).__name__}: {e}")
+            self._fail(err)
+            raise err from None
+        problem = self._unhealthy(ages, interval, ids, status)
+        if problem:
+            err = SessionError(f"session {self.id}: {problem}; the mesh cannot continue")
+            self._fail(err)
+            raise err
+
+    #: seconds a failure in a collective waits for the scheduler to notice the peer it lost (see ``_departed``)
+    PEER_GRACE = 3.0
+
+    def _meanwhile(self) -> str:
+        """``"\\n(meanwhile: ...)"`` with what ``_departed`` finds, or ``""``."""
+        problem = self._departed()
+        return f"\n(meanwhile: {problem})" if problem else ""
+
+    def _departed(self, failure: str = "") -> str:
+        """The ranks whose worker left, is shutting down, restarted or went silent, as the scheduler sees it, as
+        text, or ``""``. When ``failure`` (a rank's error) is a failed collective, whose text names only a
+        socket ("Connection closed by peer [127.0.0.1]:44187"), the scheduler is asked again for up to
+        ``PEER_GRACE`` seconds: the surviving rank may report the loss before the scheduler has seen its peer
+        go. Each question is bounded by ``PROBE_TIMEOUT``."""
+        deadline = time.monotonic() + (self.PEER_GRACE if self.world_size > 1 and _COMM_FAILURE.search(failure) else 0)
+        while True:
+            try:
+                problem = self._unhealthy(*self._worker_ages(self.PROBE_TIMEOUT))
+            except Exception:
+                problem = ""
+            if problem or time.monotonic() >= deadline:
+                return problem
+            time.sleep(0.25)
+
+    def _failed_on(self, rank: int, text: str, departed: str) -> SessionError:
+        """The error of rank ``rank``'s ``SessionFailed``: led by the workers that left, are shutting down or
+        restarted when the scheduler names some (``departed``, from ``_departed``), since what the rank itself
+        saw of that is often only a socket ("Connection closed by peer [127.0.0.1]:44187")."""
+        where = f"rank {rank} ({self.workers[rank]})"
+        if departed:
+            return SessionError(f"session {self.id}: {departed}; the mesh cannot continue ({where} reported: {text})")
+        return SessionError(f"session {self.id} failed on {where}: {text}")

@@ -1,0 +1,396 @@
+"""Transport of a session (``Session``'s concern ``Transport``; DESIGN.md "Performance design"): batching,
+flushing, and applying the answers.
+
+Messages are buffered and flushed as one batch per worker: after ``max_batch`` messages, before any wait, and by a
+background flusher a few milliseconds after the first buffered message. Consecutive messages for the same set of
+ranks (and the same stream, for messages that run on one stream) form a segment that is pickled once and shared
+by every rank's batch, so a message to every rank is serialized once (``protocol/batch.py``). Each rank's batches
+carry an increasing number; the worker's inbox restores the order that Dask does not keep.
+
+Every batch travels as a pinned Dask task (keys ``monarch-messages-...``; ``monarch-fetch-...``,
+``monarch-status-...``, ``monarch-exit-...`` for a batch that ends with ``RequestStatus``: ``task_keys``). When the
+rank has an answer channel (``channel.py``), the batch is written on it at once, and its task waits up to
+``task_interval`` seconds, travelling with the rank's other batches of that time as one task (an exit's goes at
+once). The answers come back in numbered chunks of the worker's outbox, on the channel or in the ``sync_batch``
+tasks' results, and a rank's chunks are applied in that order, whichever way and in whatever order they come.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections import deque
+
+import cloudpickle
+
+from ..exceptions import RemoteException, SessionError
+from ..protocol import (
+    CommandGroup,
+    DeleteRefs,
+    Exit,
+    FetchResult,
+    GetRefResult,
+    PickledValue,
+    Ref,
+    RemoteFunctionFailed,
+    RequestStatus,
+    SessionFailed,
+    Status,
+    WorkerError,
+)
+from ..protocol import batch
+from ..worker.plugin import deliver_batch, deliver_batches, sync_batch, sync_batches
+from .answers import AnswerLost
+from .coalescing import HeldDelete, held_messages
+from .local import propagating
+from .task_keys import parse_task_key, task_key
+
+__all__ = ["Transport", "dumps"]
+
+logger = logging.getLogger("dask_monarch.controller")
+
+
+def dumps(messages: list) -> bytes:
+    """Pickle ``messages``; local tensors among their arguments pickle locally, not as mesh ops."""
+    with propagating():
+        try:
+            return pickle.dumps(messages, protocol=5)
+        except Exception:
+            return cloudpickle.dumps(messages, protocol=5)
+
+
+class Transport:
+    """The session's transport (a part of ``Session``; see the module's docstring). ``_init_transport`` makes its
+    state: the buffer, per-rank batch numbers and tasks in flight, the answers' order, and the fetch results."""
+
+    def _init_transport(self) -> None:
+        self._buffer: list = []  # (targets tuple, message)
+        self._batch_seq = [0] * self.world_size
+        self._inflight: list = [deque() for _ in range(self.world_size)]
+        self._answers_next = [0] * self.world_size  # per rank: the next outbox chunk to apply
+        self._answers_held: list[dict] = [{} for _ in range(self.world_size)]  # chunks that came early
+        self._fetch_results: dict[int, FetchResult] = {}
+        self.get_ref_results: deque = deque()
+        #: with ``record_answers``: every controller message received, as (rank, message), in arrival order
+        self.answers: deque | None = deque() if self._record_answers else None
+        self._wake = threading.Event()
+        #: the answer channels (``channel.py``), or None (Dask config ``monarch.answer-channel: false``)
+        self.channels = None
+        self._later: list[list] = [[] for _ in range(self.world_size)]  # per rank: (batch, segments, sync) sent on
+        self._later_due: float | None = None  # its channel, whose task is not yet submitted; when to submit them
+
+    # -------------------------------------------------------------------------------------------- sending
+    def send(self, message, ranks=None) -> None:
+        """Queue ``message`` for ``ranks`` (an iterable of ranks; default every rank of the session). Inside
+        ``coalescing()`` the message is held for the block's ``CommandGroup``."""
+        if self._deferred:
+            self.run_deferred()
+        targets = self._all if ranks is None else tuple(ranks)
+        if self.recorder is not None:
+            with self.lock:
+                recorder = self.recorder
+                if recorder is not None and recorder.owns_thread() and recorder.capture(targets, message):
+                    return
+        held = held_messages()
+        if held is not None:
+            self.check_ok()
+            held.setdefault(self, []).append((targets, message))
+            return
+        with self.lock:
+            self.check_ok()
+            was_empty = not self._buffer
+            self._buffer.append((targets, message))
+            if len(self._buffer) >= self.max_batch:
+                self._flush_locked(None)
+            elif was_empty:
+                self._wake.set()
+
+    def send_group(self, items) -> None:
+        """Send held ``(targets, message)`` items as one ``CommandGroup`` per rank, in order; ranks with the same
+        messages share one group (``coalescing``)."""
+        deletes = [(targets, message.ref) for targets, message in items if type(message) is HeldDelete]
+        items = [item for item in items if type(item[1]) is not HeldDelete]
+        per_rank: dict[int, list] = {}
+        for targets, message in items:
+            for rank in targets:
+                per_rank.setdefault(rank, []).append(message)
+        groups: dict[tuple, list] = {}
+        for rank, messages in per_rank.items():
+            groups.setdefault(tuple(map(id, messages)), [messages, []])[1].append(rank)
+        with self.lock:
+            for messages, ranks in groups.values():
+                self.send(CommandGroup(messages), ranks)
+            self._deletes.extend(deletes)  # refs dropped inside the block: freed after its messages
+
+    def flush(self) -> None:
+        """Send what is buffered now, and submit the Dask tasks of every batch sent so far (``task_interval``)."""
+        with self.lock:
+            self._flush_locked(None)
+            self._submit_later()
+
+    def _take_deletes(self) -> list:
+        taken = []
+        pop = self._deletes.popleft
+        while True:
+            try:
+                taken.append(pop())
+            except IndexError:
+                break
+        if not taken:
+            return []
+        by_targets: dict[tuple, list] = {}
+        for targets, ref_id in taken:
+            by_targets.setdefault(targets, []).append(Ref(ref_id))
+            self.history.drop_ref(ref_id)
+        return [(targets, DeleteRefs(refs)) for targets, refs in by_targets.items()]
+
+    def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status",
+                      tasks: dict | None = None) -> None:
+        """Send what is buffered as one batch per rank (a ``monarch-messages-...`` task). With ``sync_seq``, every
+        rank's batch ends with ``RequestStatus{sync_seq}`` (then ``Exit`` if ``exit_after``), and its task is a
+        ``sync_batch`` task of ``kind`` (``task_keys``), entered in ``tasks`` (rank -> Dask future) once submitted
+        (at once for a rank without a channel, and for an exit)."""
+        items = self._buffer
+        self._buffer = []
+        self._wake.clear()
+        items.extend(self._take_deletes())
+        if sync_seq is not None:
+            items.append((self._all, RequestStatus(sync_seq, False)))
+            if exit_after:
+                items.append((self._all, Exit(None)))
+        if not items:
+            return
+        # consecutive messages with the same targets (and stream, for stream messages) form one segment, pickled
+        # once (protocol/batch.py)
+        per_rank: list[list] = [[] for _ in range(self.world_size)]
+        for targets, segment in batch.segments(items, dumps):
+            for r in targets:
+                per_rank[r].append(segment)
+        channels = self.channels
+        for rank, blobs in enumerate(per_rank):
+            if not blobs:
+                continue
+            bseq = self._batch_seq[rank]
+            self._batch_seq[rank] = bseq + 1
+            sync = None if sync_seq is None else (sync_seq, "exit" if exit_after else kind, tasks)
+            self._later[rank].append((bseq, blobs, sync))
+            if channels is not None and channels.send(rank, bseq, blobs) and not exit_after:
+                if self._later_due is None:  # the flusher submits the tasks then
+                    self._later_due = time.monotonic() + self.task_interval
+                    self._wake.set()
+                continue
+            self._submit(rank)
+
+    def _submit(self, rank: int):
+        """Submit the batches of ``rank`` not yet sent as a task (``_later``) as one pinned task; returns its future."""
+        entries, self._later[rank] = self._later[rank], []
+        syncs = [sync for _, _, sync in entries if sync is not None]
+        common = dict(workers=[self.workers[rank]], allow_other_workers=False, pure=False, priority=-entries[0][0])
+        params, last = self.params[rank], entries[-1][0]
+        if syncs:
+            status_seq, kind = max(s[0] for s in syncs), syncs[-1][1]
+            key = task_key(kind, self.id, rank, last)
+            if len(entries) == 1:
+                fut = self.client.submit(sync_batch, params, last, entries[0][1], status_seq, kind == "exit", key=key,
+                                         **common)
+            else:
+                batches = [(b, segments) for b, segments, _ in entries]
+                fut = self.client.submit(sync_batches, params, batches, status_seq, kind == "exit", key=key, **common)
+        else:
+            key = task_key("messages", self.id, rank, last)
+            if len(entries) == 1:
+                fut = self.client.submit(deliver_batch, params, last, entries[0][1], key=key, **common)
+            else:
+                batches = [(b, segments) for b, segments, _ in entries]
+                fut = self.client.submit(deliver_batches, params, batches, key=key, **common)
+        self._answers.add(fut, sync=bool(syncs))
+        for _, _, tasks in syncs:
+            if tasks is not None:
+                tasks[rank] = fut
+        inflight = self._inflight[rank]
+        inflight.append(fut)
+        while inflight and inflight[0].done():
+            inflight.popleft()
+        return fut
+
+    def submit_tasks_of(self, status_seq: int) -> None:
+        """Submit now the Dask tasks that carry the ``RequestStatus{status_seq}`` batches (``MonarchFuture.futures``)."""
+        with self.lock:
+            for rank, entries in enumerate(self._later):
+                if any(sync is not None and sync[0] == status_seq for _, _, sync in entries):
+                    self._submit(rank)
+
+    def _submit_later(self) -> None:
+        """Submit every rank's batches that went on its channel and still wait for their task."""
+        self._later_due = None
+        for rank, entries in enumerate(self._later):
+            if entries:
+                self._submit(rank)
+
+    def _channel_lost(self, rank: int, error: BaseException) -> None:
+        """Rank ``rank``'s channel broke (on the event loop): its batches go as tasks at once from now on, and
+        the tasks of those already sent on it are submitted now (the flusher does it: no lock here)."""
+        logger.warning("dask_monarch: session %s: the answer channel to rank %d (%s) closed (%s: %s); its answers come "
+                       "back as Dask task results from now on", self._key, rank, self.workers[rank],
+                       type(error).__name__, error)
+        self._later_due = time.monotonic()
+        self._wake.set()
+
+    def _flush_loop(self) -> None:
+        """The background flusher: flushes ``flush_interval`` seconds after a message is buffered into an empty
+        buffer, and submits the tasks of the batches sent on channels when they are due (``task_interval``)."""
+        while not self.closed:
+            due = self._later_due
+            woke = self._wake.wait(None if due is None else max(0.0, due - time.monotonic()))
+            if self.closed:
+                return
+            if woke and self._buffer:
+                time.sleep(self.flush_interval)
+            try:
+                with self.lock:
+                    if self.failure is not None or self.closed:
+                        self._wake.clear()
+                        self._later_due = None
+                        continue
+                    self._flush_locked(None)
+                    if self._later_due is not None and time.monotonic() >= self._later_due:
+                        self._submit_later()
+            except Exception as e:  # the client is gone: report it on the next use
+                self._fail(SessionError(f"session {self.id}: could not send a message batch: {e}"))
+
+    # ---------------------------------------------------------------------------------------------- answers
+    def _on_batch_done(self, fut) -> None:
+        """A ``deliver_batch`` task is done (on the answers thread, ``answers.py``)."""
+        if fut.status == "error":
+            exc = self._answers.exception(fut)
+            self._fail(SessionError(f"session {self.id}: delivering a message batch ({fut.key}) failed: {exc}"))
+
+    def _on_sync_done(self, fut) -> None:
+        """A ``sync_batch`` task is done: apply its answers (on the answers thread, ``answers.py``)."""
+        rank = parse_task_key(fut.key)[2]
+        if fut.status == "cancelled":
+            self._fail(SessionError(
+                f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
+                f"cancelled (the cluster was restarted, or the task was released){self._meanwhile()}"
+            ))
+            return
+        if fut.status == "error":
+            exc = self._answers.exception(fut)
+            self._fail(SessionError(f"session {self.id}: status request to rank {rank} ({fut.key}) failed: {exc}"))
+            return
+        try:
+            blobs = self._answers.result(fut)
+        except AnswerLost as e:
+            if self.failure is None:
+                self._fail(SessionError(
+                    f"session {self.id}: the answers of rank {rank} ({self.workers[rank]}, {fut.key}) were lost before "
+                    f"the controller collected them ({e}): its worker died or restarted{self._meanwhile()}"
+                ))
+            return
+        except Exception as e:
+            self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
+            return
+        for blob in blobs:
+            self._on_chunk(rank, blob)
+
+    def _on_chunk(self, rank: int, blob: bytes) -> None:
+        """Apply answer chunk ``blob`` of rank ``rank`` (pickled ``(chunk, messages)``, from a task's result or the
+        rank's channel; on the answers thread). Each rank's chunks are applied in their order (Dask may finish two
+        status tasks of one rank in either order, and a chunk may come both ways: a Status applied before the
+        FetchResult it follows would resolve a fetch without its value); one that came already is ignored."""
+        try:
+            chunk, messages = pickle.loads(blob)
+        except Exception as e:
+            self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
+            return
+        if chunk is not None and (chunk < self._answers_next[rank] or chunk in self._answers_held[rank]):
+            return
+        messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
+        note = ""
+        failed = [m for m in messages if type(m) is SessionFailed]
+        if self.failure is None and failed:
+            # a rank failing in a collective often reports a lost peer (connection reset, timeout): name the
+            # worker that left or went silent, if the scheduler knows one
+            note = self._departed(failed[0].error.backtrace)
+        with self.lock:
+            if chunk is None:  # the session had already ended on that worker
+                for msg in messages:
+                    self._handle(rank, msg, note)
+                return
+            held = self._answers_held[rank]
+            held[chunk] = (messages, note)
+            while self._answers_next[rank] in held:
+                messages, note = held.pop(self._answers_next[rank])
+                self._answers_next[rank] += 1
+                for msg in messages:
+                    self._handle(rank, msg, note)
+
+    def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
+        """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
+        controller cannot load (its class's module is only on the workers) becomes that fetch's error."""
+        value = msg.value
+        if type(value) is not PickledValue:
+            return msg
+        try:
+            return FetchResult(msg.seq, value=value.load())
+        except Exception as e:
+            text = (f"the fetched value of type {value.type_name} could not be unpickled on the controller: "
+                    f"{type(e).__name__}: {e}")
+            return FetchResult(msg.seq, error=WorkerError(text, self.workers[rank]))
+
+    def _handle(self, rank: int, msg, note: str = "") -> None:
+        if self.answers is not None:
+            self.answers.append((rank, msg))
+        kind = type(msg)
+        if kind is Status:
+            if self.history.status(rank, msg.seq):
+                low = self.history.completed
+                ready = [w for w in self._waiters if w[0] < low]
+                self._waiters = [w for w in self._waiters if w[0] >= low]
+                for _, future, on_done in sorted(ready, key=lambda w: w[0]):
+                    try:
+                        future._set(on_done() if on_done is not None else None)
+                    except BaseException as e:
+                        future._set(error=e)
+                for s in [s for s in self.functions if s < low]:
+                    del self.functions[s]
+        elif kind is RemoteFunctionFailed:
+            what = self.functions.get(msg.seq, "")
+            if msg.controller_frame_index is not None and hasattr(what, "operation"):  # a compiled call's operation
+                what = what.operation(msg.controller_frame_index)
+            err = RemoteException(msg.seq, rank, self.workers[rank], msg.error.backtrace, str(what))
+            self.history.fail(msg.seq, err)
+        elif kind is FetchResult:
+            self._fetch_results[msg.seq] = msg
+        elif kind is GetRefResult:
+            self.get_ref_results.append((rank, msg))
+        elif kind is SessionFailed:
+            self._fail(self._failed_on(rank, msg.error.backtrace, note))
+        else:
+            logger.warning("dask_monarch: ignoring unknown answer %r from rank %d", msg, rank)
+
+    def take_fetch_result(self, seq: int) -> FetchResult | None:
+        return self._fetch_results.pop(seq, None)
+
+    def _exit_remote(self, reason: str) -> None:
+        """Best effort, no wait: ``Exit`` with an error to every rank whose worker is still there, so that peers
+        release their communicators (a stream blocked in a collective with the failed rank errors out) and the
+        session's threads and tensors are freed."""
+        with self.lock:
+            blob = dumps([Exit((None, reason[:2000]))])
+            for rank, address in enumerate(self.workers):
+                bseq = self._batch_seq[rank]
+                self._batch_seq[rank] = bseq + 1
+                try:
+                    if self._later[rank]:  # sent on the channel only: the exit must not wait behind them
+                        self._submit(rank)
+                    if self.channels is not None:
+                        self.channels.send(rank, bseq, [blob])
+                    self._inflight[rank].append(self.client.submit(
+                        deliver_batch, self.params[rank], bseq, [blob], key=task_key("exit", self.id, rank, bseq),
+                        workers=[address], allow_other_workers=False, pure=False, priority=-bseq,
+                    ))
+                except Exception:
+                    pass

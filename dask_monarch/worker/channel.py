@@ -1,0 +1,84 @@
+"""The worker's end of a session's answer channel (issue 13; DESIGN.md "Decisions"; spec/dask-notes.md §1.3, §7 A).
+
+``MonarchWorkerPlugin.setup`` adds the handler ``monarch_channel`` to the worker's server. A controller opens one
+connection per (session, worker) with its ``Client``'s connection arguments (its ``Security``: TLS when the
+cluster uses it) and sends ``{"op": "monarch_channel", "params": <pickled SessionParams>}``; the handler answers
+``{"ready": <actor id>}`` (or ``{"closed": <why>}`` if the session ended here) and then serves the connection
+until either side closes it:
+
+* controller -> worker: ``{"b": batch, "s": segments}``, a batch that also travels as a pinned Dask task (the
+  inbox takes whichever copy comes first and ignores the other), and ``{"a": chunk}``, the acknowledgement of an
+  answer chunk;
+* worker -> controller: ``{"c": chunk, "d": bytes}``, an answer chunk of the outbox (``worker/outbox.py``), pushed
+  when a ``Status`` or ``SessionFailed`` is reported, and ``{"x": True}`` once the session has ended here (its
+  threads joined, its memory freed), which ``mesh.exit()`` waits for.
+
+The handler runs on the worker's event loop; the stream threads that report answers wake it with
+``IOLoop.add_callback``.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+__all__ = ["CHANNEL_OP", "serve"]
+
+logger = logging.getLogger("dask_monarch.worker")
+
+#: the handler's name in ``Worker.handlers``
+CHANNEL_OP = "monarch_channel"
+
+
+class _Channel:
+    """The pushing side of one channel: ``wake()`` (any thread) makes the event loop push the next chunk."""
+
+    def __init__(self, comm, loop, outbox):
+        self.comm = comm
+        self.loop = loop
+        self.outbox = outbox
+
+    def wake(self, closed: bool = False) -> None:
+        self.loop.add_callback(self._push, closed)
+
+    async def _push(self, closed: bool) -> None:
+        taken = self.outbox.push()
+        try:
+            if taken is not None:
+                await self.comm.write({"c": taken[0], "d": taken[1]})
+            if closed:
+                await self.comm.write({"x": True})
+        except Exception as e:  # closed: the chunk stays retained, for the next sync task
+            logger.debug("dask_monarch: answer channel %s closed while pushing: %s", self.comm, e)
+            self.outbox.detach(self)
+
+
+def _segment(segment):
+    return tuple(segment) if type(segment) is list else segment  # a stream segment, as msgpack gives it back
+
+
+async def serve(plugin, comm, params: bytes) -> None:
+    """Serve one answer channel for ``plugin`` (``MonarchWorkerPlugin``) on ``comm``; ``params`` is the pickled
+    ``SessionParams`` of the session's rank on this worker."""
+    params = pickle.loads(params)
+    tw = plugin.tensor_worker(params)
+    if tw is None:
+        why = plugin.closed.get(params[0]) or f"session {params[0]} already ended on this worker"
+        await comm.write({"closed": why})
+        return
+    channel = _Channel(comm, plugin.worker.loop, tw.outbox)
+    await comm.write({"ready": tw.actor_id})
+    tw.outbox.attach(channel)
+    inbox, outbox = tw.inbox, tw.outbox
+    try:
+        while True:
+            msg = await comm.read()
+            if "b" in msg:
+                inbox.put(msg["b"], [_segment(s) for s in msg["s"]])
+            elif "a" in msg:
+                outbox.acked(msg["a"])
+    except Exception:  # the controller closed it, or it broke: tasks carry everything from now on
+        pass
+    finally:
+        outbox.detach(channel)
+        comm.abort()

@@ -1,0 +1,142 @@
+"""``Outbox``: what one session's tensor worker has to tell its controller (``RemoteFunctionFailed``,
+``FetchResult``, ``Status``, ``SessionFailed``, ...), handed over in numbered chunks (issue 13; DESIGN.md
+"Decisions": the answers the controller waits for may return on a faster path).
+
+Chunks are numbered 0, 1, ... in the order they are taken, whoever takes them, and the controller applies a rank's
+chunks in that order (``controller/transport.py``), so they may travel two ways:
+
+* pushed on the session's answer channel (``worker/channel.py``), when the controller opened one: a ``Status`` or
+  ``SessionFailed`` (what the controller waits for) wakes the channel, which takes the chunk on the worker's event
+  loop and writes it. A pushed chunk is *retained* until the controller acknowledges it;
+* returned by a ``sync_batch`` task (``for_task``): with a channel, the task first waits, at most ``settle``
+  seconds, for the pushes under way and their acknowledgements, then takes what is still retained (the channel
+  broke, or the controller is slow to acknowledge: the controller ignores a chunk it already has) and the rest of
+  the outbox. Nothing is lost when the channel breaks, and nothing waits on it for longer than ``settle``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import cloudpickle
+
+from ..protocol import FetchResult, SessionFailed, Status, WorkerError, tensor_bytes
+
+__all__ = ["Outbox", "dumps_chunk"]
+
+#: the answers whose arrival wakes the channel (the controller waits for them); the others ride along
+_PUSHED = (Status, SessionFailed)
+
+
+def dumps_chunk(chunk: int | None, messages: list, actor_id: str) -> bytes:
+    """Pickle ``(chunk, messages)`` (``protocol/tensor_bytes.py``); a fetched value that cannot be pickled becomes that fetch's error, nothing
+    is lost."""
+    try:
+        return tensor_bytes.dumps((chunk, messages))  # a fetched CPU tensor as its bytes
+    except Exception:
+        pass
+    safe = []
+    for msg in messages:
+        try:
+            cloudpickle.dumps(msg, protocol=5)
+        except Exception as e:
+            if not isinstance(msg, FetchResult):
+                raise
+            text = f"the fetched value of type {type(msg.value).__name__} cannot be pickled: {type(e).__name__}: {e}"
+            msg = FetchResult(msg.seq, error=WorkerError(text, actor_id))
+        safe.append(msg)
+    return cloudpickle.dumps((chunk, safe), protocol=5)
+
+
+class Outbox:
+    """The controller messages of one tensor worker (``actor_id`` names it in errors), in numbered chunks."""
+
+    def __init__(self, actor_id: str):
+        self.actor_id = actor_id
+        self._messages: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._next = 0
+        self._retained: dict[int, bytes] = {}  # pushed and not yet acknowledged
+        self._channel = None
+        self._scheduled = False  # a push is on its way to the event loop
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def put(self, message) -> None:
+        """Queue ``message`` (any thread). A ``Status`` or ``SessionFailed`` wakes the channel."""
+        self._messages.append(message)
+        channel = self._channel
+        if channel is not None and type(message) in _PUSHED and not self._scheduled:
+            self._scheduled = True
+            channel.wake()
+
+    def _take(self) -> tuple[int, bytes] | None:
+        """The next chunk: everything queued, numbered and pickled; None if nothing is queued. Under ``_cond``."""
+        messages = []
+        pop = self._messages.popleft
+        while True:
+            try:
+                messages.append(pop())
+            except IndexError:
+                break
+        if not messages:
+            return None
+        chunk = self._next
+        self._next += 1
+        return chunk, dumps_chunk(chunk, messages, self.actor_id)
+
+    # -------------------------------------------------------------------------------------------- channel
+    def attach(self, channel) -> None:
+        """Push on ``channel`` from now on (``channel.wake()`` is called from any thread; it calls ``push``)."""
+        with self._cond:
+            self._channel = channel
+            self._scheduled = False
+        if self._messages:  # what came before it was opened goes at once
+            self._scheduled = True
+            channel.wake()
+
+    def detach(self, channel) -> None:
+        """``channel`` broke or closed: tasks take every answer from now on, those it did not deliver included."""
+        with self._cond:
+            if self._channel is channel:
+                self._channel = None
+            self._scheduled = False
+            self._cond.notify_all()
+
+    def push(self) -> tuple[int, bytes] | None:
+        """The chunk to push now (kept until ``acked``), or None. On the channel's event loop."""
+        with self._cond:
+            self._scheduled = False
+            taken = self._take()
+            if taken is not None:
+                self._retained[taken[0]] = taken[1]
+            self._cond.notify_all()  # a task waiting for the pushes under way: this one is done
+            return taken
+
+    def closed(self) -> None:
+        """The session ended on this worker: the channel pushes what is left, then says so (``{"x": True}``)."""
+        channel = self._channel
+        if channel is not None:
+            channel.wake(closed=True)
+
+    def acked(self, chunk: int) -> None:
+        """The controller has chunk ``chunk``."""
+        with self._cond:
+            if self._retained.pop(chunk, None) is not None and not self._retained:
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------------------------- tasks
+    def for_task(self, settle: float) -> list[bytes]:
+        """The chunks a ``sync_batch`` task returns: after waiting up to ``settle`` seconds for the channel's pushes
+        under way to be acknowledged (if a channel is attached), the chunks still unacknowledged and then the rest
+        of the outbox as a new chunk (any of them may be empty)."""
+        with self._cond:
+            if self._channel is not None:
+                self._cond.wait_for(lambda: self._channel is None or not (self._scheduled or self._retained), settle)
+            blobs = [self._retained.pop(k) for k in sorted(self._retained)]
+            taken = self._take()
+            if taken is not None:
+                blobs.append(taken[1])
+            return blobs
