@@ -51,6 +51,23 @@ def test_all_reduce_over_each_dimension(mesh2x2, v, dims):
             assert torch.equal(fetch(total, host=h, gpu=g), sum(value(a, b) for a, b in peers)), (h, g)
 
 
+def test_a_group_made_for_one_call_and_dropped_at_once_is_still_the_calls_group(mesh2x2, v):
+    """The controller drops the temporary group right after the call (DeleteRefs): the call, queued before it,
+    still gets the group, not NON_GROUP_MEMBER; a second call through the cached plan gets its own group too."""
+    for _ in range(2):
+        total = dm.remote(all_reduce)(v, mesh2x2.process_group(["gpu"]))
+        assert torch.equal(fetch(total, host=1, gpu=0), value(1, 0) + value(1, 1))
+
+
+def test_a_repeated_call_reuses_its_plan_and_still_passes_the_group(mesh2x2, v):
+    pg = mesh2x2.process_group("host")
+    f = dm.remote(all_reduce)
+    first, second = f(v, pg), f(v * 2, pg)  # the second call's outputs come from the first one's plan
+    assert mesh2x2._session.propagator.hits >= 1
+    assert torch.equal(fetch(second, host=0, gpu=1), 2 * fetch(first, host=0, gpu=1))
+    assert torch.equal(fetch(first, host=0, gpu=1), value(0, 1) + value(1, 1))
+
+
 def collectives(x, pg, host):
     """all_gather, broadcast from a global rank, send/recv by global rank, and the group's own rank and size."""
     gathered = [torch.empty_like(x) for _ in range(pg.size())]

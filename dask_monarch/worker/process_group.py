@@ -174,7 +174,9 @@ class ProcessGroups:
         ``stream_id`` (``what`` names it in errors)."""
         found = {}
         for ref in refs:
-            group = self.groups.get(ref.id)
+            # a group deleted after this call was sent (the controller dropped it, e.g. a temporary
+            # mesh.process_group(...) argument) is still there until every stream has passed its DeleteRefs
+            group = self.groups.get(ref.id) or self._releasing.get(ref.id)
             if group is None:  # not in the group's mesh: skipped cleanly
                 found[ref.id] = NON_MEMBER
                 continue
