@@ -252,6 +252,19 @@ def test_to_mesh_errors_name_the_bad_dimension(mesh2x2, x):
         x.to_mesh(mesh2x2)
 
 
+def test_pytree_forms_refuse_local_tensors_and_slices_chain(mesh2x2, x):
+    with pytest.raises(TypeError, match="LOCAL_TENSOR: to_mesh got a local torch.Tensor"):
+        dm.to_mesh({"a": x, "b": torch.ones(2)}, mesh2x2)
+    with pytest.raises(TypeError, match="LOCAL_TENSOR: slice_mesh got a local torch.Tensor"):
+        dm.slice_mesh([torch.ones(2)], host=0)
+    # a slice of a slice: host 1, gpu 0 only, broadcast to every rank of host 0
+    one = x.slice_mesh(host=1).slice_mesh(gpu=0)
+    with pytest.warns(UserWarning, match="broadcasting along \\['gpu'\\]"):
+        moved = one.to_mesh(mesh2x2.slice(host=0))
+    for g in range(2):
+        assert torch.equal(fetch(moved, gpu=g), fetch(x, host=1, gpu=0))
+
+
 def fails_on_host0(h):
     if int(h) == 0:
         raise RuntimeError("boom on host 0")

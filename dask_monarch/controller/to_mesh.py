@@ -50,6 +50,10 @@ class MeshSliceTensor:
         """Copy to ``mesh``; see the module docstring (spec §1 "to_mesh")."""
         return send(self.tensor, self.slicing, mesh, stream)
 
+    def slice_mesh(self, **selection) -> "MeshSliceTensor":
+        """The same tensor restricted further, to ``self.slicing.slice(**selection)``."""
+        return MeshSliceTensor(self.tensor, self.slicing.slice(**selection))
+
     def __repr__(self) -> str:
         return f"MeshSliceTensor({self.tensor!r} on {self.slicing!r})"
 
@@ -143,26 +147,48 @@ def send(tensor: Tensor, slicing: DeviceMesh, mesh: DeviceMesh, stream: Stream |
     return result
 
 
+def _local(what: str, x) -> TypeError:
+    return TypeError(
+        f"LOCAL_TENSOR: {what} got a local torch.Tensor (shape {list(x.shape)}) among its leaves; it moves remote "
+        "tensors between meshes: make it on the mesh first (e.g. under mesh.activate()), or keep it out of the tree"
+    )
+
+
 def _leaf_to_mesh(mesh, stream):
     def move(x):
         if isinstance(x, (Tensor, MeshSliceTensor)):
             return x.to_mesh(mesh, stream)
+        if isinstance(x, torch.Tensor):
+            raise _local("to_mesh", x)
         return x
 
     return move
 
 
 def to_mesh(tensors, mesh: DeviceMesh, stream: Stream | None = None):
-    """``to_mesh`` of every remote tensor (or ``MeshSliceTensor``) of the pytree ``tensors``; other leaves are
-    kept. Returns the same structure (spec §1 "to_mesh", pytree form)."""
+    """``to_mesh`` of every remote tensor (or ``MeshSliceTensor``) of the pytree ``tensors``; other leaves (not
+    tensors) are kept. Returns the same structure (spec §1 "to_mesh", pytree form). Raises as ``Tensor.to_mesh``
+    does, and ``TypeError`` (LOCAL_TENSOR) for a local ``torch.Tensor`` leaf."""
     return tree_map(_leaf_to_mesh(mesh, stream), tensors)
+
+
+def _leaf_slice(selection):
+    def cut(x):
+        if isinstance(x, (Tensor, MeshSliceTensor)):
+            return x.slice_mesh(**selection)
+        if isinstance(x, torch.Tensor):
+            raise _local("slice_mesh", x)
+        return x
+
+    return cut
 
 
 def slice_mesh(tensors, **selection):
     """``t.slice_mesh(**selection)`` of every remote tensor of the pytree ``tensors`` (``MeshSliceTensor``s, for
-    ``to_mesh``); other leaves are kept. ``selection`` is as for ``DeviceMesh.slice`` (``KeyError`` for an
-    unknown dim, ``IndexError`` out of range)."""
-    return tree_map(lambda x: x.slice_mesh(**selection) if isinstance(x, Tensor) else x, tensors)
+    ``to_mesh``); other leaves (not tensors) are kept. ``selection`` is as for ``DeviceMesh.slice`` (``KeyError``
+    for an unknown dim, ``IndexError`` out of range); ``TypeError`` (LOCAL_TENSOR) for a local ``torch.Tensor``
+    leaf."""
+    return tree_map(_leaf_slice(selection), tensors)
 
 
 frontend.to_mesh = send
