@@ -19,7 +19,7 @@ from dask_monarch.protocol import (
     SendValue,
     Slice,
 )
-from rawmsg import FULL, ST0, sync
+from rawmsg import FULL, MISSING, ST0, sync
 
 TIMEOUT = 60
 
@@ -78,6 +78,28 @@ def test_send_tensor_local_copies_into_the_result(mesh2x2):
                  [0])
     got = _fetch_raw(session, r2, 0)
     assert torch.equal(got.value, torch.full((3,), 2.0))
+
+
+def test_send_tensor_with_an_errored_input_sends_zeros_and_its_local_copy_carries_the_error(mesh2x2):
+    """Spec §3/§5 and send_tensor_in_recording, eagerly: rank 0's input failed (s0); in a swap between ranks 0 and
+    1 rank 0 still sends (zeros), so rank 1 does not wait, and receives real data from rank 1; rank 0's copy to
+    itself (a self-copy) carries the dependent error."""
+    session = mesh2x2._session
+    r1, r2, r3 = session.new_ref(), session.new_ref(), session.new_ref()
+    session.send(CallFunction(session.new_seq(), [r1], [], MISSING, ArgsKwargs(), ST0, []), [0])
+    session.send(CallFunction(session.new_seq(), [r1], [], FULL, ArgsKwargs(([2], 3.0), {}), ST0, []), [1])
+    session.send(BackendNetworkPointToPointInit(ST0, ST0))
+    factory = Factory((2,), torch.float32)
+    # the swap: two one-rank SendTensors in opposite directions, each sent to both ranks
+    session.send(SendTensor(r2, Slice(0, [1], [1]), Slice(1, [1], [1]), r1, factory, ST0, ST0), [0, 1])
+    session.send(SendTensor(r2, Slice(1, [1], [1]), Slice(0, [1], [1]), r1, factory, ST0, ST0), [0, 1])
+    session.send(SendTensor(r3, Slice(0, [1], [1]), Slice(0, [1], [1]), r1, factory, ST0, ST0), [0])
+    assert torch.equal(_fetch_raw(session, r2, 1).value, torch.zeros(2))  # rank 0 sent zeros
+    assert torch.equal(_fetch_raw(session, r2, 0).value, torch.full((2,), 3.0))  # rank 1's real data
+    session.send(GetRefUnitTestsOnly(r3, ST0), [0])
+    sync(session)
+    (rank, reply), = session.get_ref_results
+    assert rank == 0 and reply.present and "failed to resolve function" in reply.error
 
 
 def test_send_tensor_without_its_communicator_is_a_clear_fatal_error(client4):
