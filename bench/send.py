@@ -2,14 +2,15 @@
 between two processes, measured in one run (issue 16; DESIGN.md "Performance design").
 
 Raw: two spawned processes in a default process group (gloo on CPU, NCCL with one GPU each), rank 0 ``send``s a
-float32 tensor to rank 1, which ``recv``s it into one preallocated buffer, in a loop; timed on rank 1 from the
-first receive to the last (after a warm-up and a barrier). dask_monarch: an embedded cluster of two workers, the
+float32 tensor to rank 1 in a loop, which ``recv``s it into one preallocated buffer (``raw (1)``) or into a new
+tensor each time (``raw (new)``, what ``to_mesh`` does: its result is a new tensor; on CPU a large new tensor is
+fresh memory whose pages fault in on first write); timed from the barrier before the loop to its end, the slower
+rank counting; the two kinds alternate round by round. dask_monarch: an embedded cluster of two workers, the
 mesh ``{"x": 2}`` cut into its two one-rank sub-meshes, and ``t.to_mesh(dst)`` of a tensor of ``src`` issued back
-to back through the public API (each copy dropped as soon as it is made, so the receiver allocates a new buffer
-per transfer, which the raw loop does not), timed from the first ``to_mesh`` until a fetch of the last copy's
-first element returns (the Dask hops to the workers and back are inside it). Both sides make the same number of
-transfers per size (about 1 s of them, calibrated on the raw side); 3 rounds each, median. Bandwidth is bytes per
-transfer / time per transfer.
+to back through the public API (each copy dropped as soon as the next is made), timed from the first ``to_mesh``
+until a fetch of the last copy's first element returns (the Dask hops to the workers and back are inside it).
+Both sides make the same number of transfers per size (about 1 s of them, calibrated on the raw side); 3 rounds
+each, median. Bandwidth is bytes per transfer / time per transfer.
 
     python bench/send.py                    # gloo, CPU workers: 1, 4, 16, 64 MiB
     python bench/send.py --device cuda      # NCCL, 2 GPUs: 1 MiB to 1 GiB
@@ -37,13 +38,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _exchange(rank: int, x, n: int) -> None:
+def _exchange(rank: int, x, n: int, fresh: bool = False) -> None:
+    """``n`` transfers of ``x`` from rank 0 to rank 1: into ``x`` itself, or (``fresh``) into a new tensor each."""
     peer = 1 - rank
     for _ in range(n):
         if rank == 0:
             dist.send(x, peer)
         else:
-            dist.recv(x, peer)
+            dist.recv(torch.empty_like(x) if fresh else x, peer)
 
 
 def _raw_worker(rank: int, world: int, sizes, device: str, seconds: float) -> dict:
@@ -62,19 +64,22 @@ def _raw_worker(rank: int, world: int, sizes, device: str, seconds: float) -> di
         n = torch.tensor([max(10, int(seconds / each))], device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MAX)  # both ranks make the same number of transfers
         n = int(n.item())
-        rounds = []
-        for _ in range(ROUNDS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            _exchange(rank, x, n)
-            _sync(device)
-            rounds.append((time.perf_counter() - t0) / n)
-        t = torch.tensor([statistics.median(rounds)], dtype=torch.float64, device=device)
+        rounds = {False: [], True: []}
+        for _ in range(ROUNDS):  # the two kinds alternate, so that a change in the machine's load hits both
+            for fresh in (False, True):
+                dist.barrier()
+                t0 = time.perf_counter()
+                _exchange(rank, x, n, fresh)
+                _sync(device)
+                rounds[fresh].append((time.perf_counter() - t0) / n)
+        t = torch.tensor([statistics.median(rounds[False]), statistics.median(rounds[True])], dtype=torch.float64,
+                         device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower side: the receiver's loop ends last
-        results[mib] = (float(t.item()), n)
+        results[mib] = (float(t[0]), float(t[1]), n)
         if rank == 1:
-            print(f"  raw {mib} MiB: {ROUNDS} x {n} send/recv, us each: "
-                  + ", ".join(f"{r * 1e6:.0f}" for r in rounds), flush=True)
+            for fresh, what in ((False, "into one buffer"), (True, "into a new tensor each")):
+                print(f"  raw {mib} MiB: {ROUNDS} x {n} send/recv {what}, us each: "
+                      + ", ".join(f"{r * 1e6:.0f}" for r in rounds[fresh]), flush=True)
     return results
 
 
@@ -126,16 +131,19 @@ def main(argv=None) -> None:
     sizes = args.sizes or SIZES_MIB[args.device]
     seconds = 0.25 if args.quick else 1.0
     base = raw(sizes, args.device, seconds)
-    ours = through_to_mesh(sizes, args.device, {mib: n for mib, (_, n) in base.items()})
+    ours = through_to_mesh(sizes, args.device, {mib: n for mib, (_, _, n) in base.items()})
     backend = "NCCL" if args.device == "cuda" else "gloo"
     what = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     print(f"\npoint-to-point bandwidth between 2 processes, {backend} on {what}, float32 "
-          f"(torch {torch.__version__}); median of {ROUNDS} rounds on each side")
-    print(f"{'size':>9}{'transfers':>11}{'raw send/recv':>17}{'to_mesh':>13}{'ratio':>8}")
+          f"(torch {torch.__version__}); median of {ROUNDS} rounds on each side; raw (1): recv into one buffer, "
+          f"raw (new): recv into a new tensor each time, as to_mesh does")
+    print(f"{'size':>9}{'transfers':>11}{'raw (1)':>12}{'raw (new)':>14}{'to_mesh':>12}{'/ raw (1)':>11}"
+          f"{'/ raw (new)':>13}")
     for mib in sizes:
-        t_raw, n = base[mib]
-        b_raw, b_ours = ((mib << 20) / t / 1e9 for t in (t_raw, ours[mib]))
-        print(f"{mib:>6} MiB{n:>11}{b_raw:>12.2f} GB/s{b_ours:>8.2f} GB/s{b_ours / b_raw:>8.3f}")
+        t_raw, t_fresh, n = base[mib]
+        b_raw, b_fresh, b_ours = ((mib << 20) / t / 1e9 for t in (t_raw, t_fresh, ours[mib]))
+        print(f"{mib:>6} MiB{n:>11}{b_raw:>7.2f} GB/s{b_fresh:>9.2f} GB/s{b_ours:>7.2f} GB/s{b_ours / b_raw:>11.3f}"
+              f"{b_ours / b_fresh:>13.3f}")
 
 
 if __name__ == "__main__":
