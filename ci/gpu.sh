@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks (issues 4, 11). Each step runs under its own time limit and logs to $OUT (default
+# GPU tests and benchmarks (issues 4, 11, 16). Each step runs under its own time limit and logs to $OUT (default
 # ./gpu-logs); a failing step does not stop the others. The exit status is the number of steps that failed.
-# Usage: bash ci/gpu.sh [steps...]   (steps: info tests allreduce dispatch train_lm digits, which need 2 GPUs,
-# and tests1 compiled train_lm_compiled, which run on one GPU)
+# Usage: bash ci/gpu.sh [steps...]   (steps: info tests allreduce dispatch train_lm digits send_tests send, which
+# need 2 GPUs, and tests1 compiled train_lm_compiled, which run on one GPU)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-steps=${*:-info tests allreduce dispatch train_lm digits}
+steps=${*:-info tests allreduce dispatch train_lm digits send_tests send}
 failed=0
 run() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
@@ -29,6 +29,8 @@ for step in $steps; do
         dispatch) run dispatch 300 $PY bench/dispatch.py --device cuda ;;
         train_lm) run train_lm 300 $PY bench/train_lm.py ;;
         digits) run digits 300 $PY examples/train_digits.py --device cuda --workers 2 ;;
+        send_tests) run send_tests 420 $PY -m pytest -q -m gpu tests/test_gpu_send.py -rA -p no:cacheprovider ;;
+        send) run send 300 $PY bench/send.py --device cuda ;;
         tests1) run tests1 420 $PY -m pytest -q -m gpu tests/test_gpu_compile.py tests/test_gpu_release.py tests/test_gpu_sharing.py -rA -p no:cacheprovider ;;
         compiled) run compiled 300 $PY bench/compiled.py --device cuda ;;
         train_lm_compiled) run train_lm_compiled 420 $PY bench/train_lm.py --compiled ;;

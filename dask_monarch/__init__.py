@@ -17,7 +17,9 @@ from .controller import (
     endpoint,
     Borrow,
     DeviceMesh,
+    MeshSliceTensor,
     MonarchFuture,
+    RemoteProcessGroup,
     Stream,
     Tensor,
     attach,
@@ -32,6 +34,8 @@ from .controller import (
     reduce,
     reduce_,
     remote,
+    slice_mesh,
+    to_mesh,
 )
 from .exceptions import RemoteException, SessionError
 
@@ -57,8 +61,10 @@ __all__ = [
     "endpoint",
     "Borrow",
     "DeviceMesh",
+    "MeshSliceTensor",
     "MonarchFuture",
     "RemoteException",
+    "RemoteProcessGroup",
     "SessionError",
     "Stream",
     "Tensor",
@@ -74,4 +80,6 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "slice_mesh",
+    "to_mesh",
 ]

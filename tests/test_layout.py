@@ -1,7 +1,7 @@
 """The controller's imports run one way (DESIGN.md "Layout"; issue 13): frontend (tensor, stream, remote, dispatch,
-reduce, fetch, recording, compile) -> mesh -> session -> the session's parts and helpers -> protocol. Every import
-is counted, those inside functions too, so no module reaches a module above it, and no module is over about 500
-lines."""
+reduce, to_mesh, fetch, recording, compile) -> mesh -> session -> the session's parts and helpers -> protocol. Every
+import is counted, those inside functions too, so no module reaches a module above it, and no module is over about
+500 lines."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ ORDER = [
     "at_exit",
     "bookkeeping", "liveness", "transport",
     "session",
+    "process_group",
     "mesh",
     # the frontend
-    "tensor", "stream", "remote", "dispatch", "reduce", "fetch", "actors", "recording", "compile",
+    "tensor", "stream", "remote", "dispatch", "reduce", "to_mesh", "fetch", "actors", "recording", "compile",
     # the public entry points
     "attach", "__init__",
 ]

@@ -39,6 +39,7 @@ def _usage_probe():
         import threading
 
         import psutil
+        from torch.distributed import distributed_c10d as c10d
 
         me = psutil.Process()
         plugin = dask_worker.plugins.get("dask-monarch")
@@ -50,6 +51,8 @@ def _usage_probe():
             "sessions": len(plugin.sessions) if plugin is not None else 0,
             "monarch_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("monarch-")),
             "alive": alive,
+            # process groups of sessions still registered with torch.distributed (to_mesh, process_group)
+            "torch_groups": sum(1 for name in c10d._world.pg_names.values() if name.startswith("monarch/")),
         }
 
     return usage
@@ -79,14 +82,15 @@ def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
 
 
 def settled(client) -> dict:
-    """The workers' usage once no session is left on them (bounded)."""
+    """The workers' usage once no session is left on them, nor any of its objects (bounded)."""
     state = {}
 
-    def idle():
+    def idle():  # the last task of a session (its exit) may still hold the tensor worker for a moment
         state.update(usage(client))
-        return all(u["sessions"] == 0 and not u["monarch_threads"] for u in state.values())
+        return all(u["sessions"] == 0 and not u["monarch_threads"] and u["alive"] == 0 for u in state.values())
 
-    assert wait_until(idle, 60), state
+    assert wait_until(idle, 60), {a: {k: u[k] for k in ("sessions", "monarch_threads", "alive", "threads", "fds")}
+                                  for a, u in state.items()}
     return state
 
 
@@ -96,7 +100,8 @@ def assert_back_to(baseline: dict, now: dict, what: str) -> None:
         assert u["rss"] - base["rss"] < RSS_MARGIN, (what, address, base, u)
         assert u["threads"] - base["threads"] <= THREAD_MARGIN, (what, address, base, u)
         assert u["fds"] - base["fds"] <= FD_MARGIN, (what, address, base, u)
-        assert u["alive"] == 0, (what, address, u)  # no tensor worker, stream or comms object left at all
+        assert u["alive"] == 0, (what, address, u["alive"], u)  # no tensor worker, stream or comms object left
+        assert u["torch_groups"] == 0, (what, address, u["torch_groups"], u)
 
 
 def one_session(client) -> None:
@@ -205,3 +210,72 @@ def test_with_a_stopped_peer_the_survivor_aborts_its_groups_and_frees_them_at_on
     settled(client)
     with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh2:
         assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
+
+
+def _all_reduce(x, pg):
+    import torch.distributed as dist
+
+    y = x.clone()
+    dist.all_reduce(y, group=pg)
+    return y
+
+
+def session_with_sends_and_groups(client) -> None:
+    """``to_mesh`` between the ranks (onto another stream: a handoff) and a process group for a remote function."""
+    with dm.attach(client, dims={"dp": 2}, comm_timeout=60) as mesh:
+        other = dm.Stream("other")
+        first, second = mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))
+        with first.activate():
+            x = torch.ones(PER_RANK // 4)
+        y = x.to_mesh(second, stream=other)
+        pg = mesh.process_group("dp")
+        with mesh.activate():
+            total = dm.remote(_all_reduce)(torch.ones(4), pg)
+        with second.activate(), other.activate():
+            assert dm.inspect(y[:2]).tolist() == [1.0, 1.0]
+        assert dm.inspect(total).tolist() == [2.0] * 4
+
+
+def test_sessions_with_to_mesh_and_process_groups_leave_nothing_behind(cli_client):
+    client = cli_client
+    session_with_sends_and_groups(client)
+    baseline = settled(client)
+    for _ in range(4):
+        session_with_sends_and_groups(client)
+    assert_back_to(baseline, settled(client), "after 5 sessions with to_mesh and process groups")
+
+
+def test_with_a_stopped_sender_the_receiver_aborts_its_groups_and_frees_them_at_once(cli_client):
+    """A ``to_mesh`` whose sender is stopped (SIGSTOP) before it sends: the session fails at the heartbeat bound
+    naming it, and the receiver, waiting in its receive, has its groups aborted and is free within seconds."""
+    client = cli_client
+    before = usage(client)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240, heartbeat_timeout=5)
+    receiver, sender = mesh.workers[0], mesh.workers[1]
+    first, second = mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))
+    with second.activate():
+        warm = torch.ones(4)
+    assert dm.inspect(warm.to_mesh(first)).tolist() == [1.0] * 4  # the communicator exists
+    sender_pid = client.run(os.getpid, workers=[sender])[sender]
+    with second.activate():
+        late = dm.remote(lambda: (time.sleep(2), torch.ones(4))[1], propagate=lambda: torch.empty(4))()
+    future = dm.fetch_shard(late.to_mesh(first))
+    time.sleep(1)  # the sender sleeps; the receiver waits in its receive
+    os.kill(sender_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(dm.SessionError, match=rf"rank 1 \({sender}\)"):
+            future.result(timeout=200)
+        failed_at = time.monotonic()
+        mesh.exit()
+
+        def receiver_free():
+            u = client.run(_usage_probe(), workers=[receiver])[receiver]
+            return (u["sessions"] == 0 and not u["monarch_threads"] and u["alive"] == 0 and u["torch_groups"] == 0
+                    and u["threads"] - before[receiver]["threads"] <= THREAD_MARGIN
+                    and u["fds"] - before[receiver]["fds"] <= FD_MARGIN)
+
+        assert wait_until(receiver_free, 60), client.run(_usage_probe(), workers=[receiver])
+        assert time.monotonic() - failed_at < 30  # seconds, not comm_timeout's 240
+    finally:
+        os.kill(sender_pid, signal.SIGCONT)
+    settled(client)

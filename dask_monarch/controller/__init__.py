@@ -11,11 +11,13 @@ from .coalescing import coalescing
 from .compile import compile
 from .fetch import fetch_shard, inspect
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
+from .process_group import RemoteProcessGroup
 from .reduce import reduce, reduce_
 from .remote import remote
 from .session import MonarchFuture, Session
 from .stream import Borrow, Stream, get_active_stream, main_stream
 from .tensor import Tensor
+from .to_mesh import MeshSliceTensor, slice_mesh, to_mesh
 
 __all__ = [
     "ActorMesh",
@@ -24,7 +26,9 @@ __all__ = [
     "endpoint",
     "Borrow",
     "DeviceMesh",
+    "MeshSliceTensor",
     "MonarchFuture",
+    "RemoteProcessGroup",
     "Session",
     "Stream",
     "Tensor",
@@ -40,4 +44,6 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "slice_mesh",
+    "to_mesh",
 ]

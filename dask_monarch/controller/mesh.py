@@ -36,6 +36,10 @@ class Frontend:
     remote = None
     #: ``actors.spawn``: ``DeviceMesh.spawn``
     spawn = None
+    #: ``to_mesh.send(tensor, slicing, mesh, stream)``: ``Tensor.to_mesh``
+    to_mesh = None
+    #: ``to_mesh.MeshSliceTensor(tensor, sub_mesh)``: ``Tensor.slice_mesh``
+    slice_mesh = None
 
 
 #: the frontend's operations (``Frontend``)
@@ -250,6 +254,15 @@ class DeviceMesh:
         constructor ran; raises ``TypeError`` for a remote tensor among the constructor's arguments, and the
         constructor's error (``RuntimeError``, naming the rank) if it raised."""
         return frontend.spawn(self, cls, *args, **kwargs)
+
+    def process_group(self, dims) -> "RemoteProcessGroup":  # noqa: F821
+        """A process group over ``dims`` (a name or a tuple of names; ``()`` for all) of this mesh, for remote
+        functions: passed to one, it arrives on each rank as a ``torch.distributed.ProcessGroup`` over that
+        rank's peers along ``dims`` (``RemoteProcessGroup``; spec §1 "UDF process groups"). Raises ``KeyError``
+        for an unknown dim, ``ValueError`` for a repeated one."""
+        from .process_group import RemoteProcessGroup
+
+        return RemoteProcessGroup(self, dims)
 
     # ---------------------------------------------------------------------------------------------- activation
     @contextlib.contextmanager

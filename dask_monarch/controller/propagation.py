@@ -97,6 +97,8 @@ def _pytree_key(function, shapes, args, kwargs, tensor_type, mesh_type):
             parts.append(("mesh", id(x)))
         elif isinstance(x, torch.Tensor):
             return None, [x for x in leaves if isinstance(x, tensor_type)]
+        elif hasattr(t, "propagation_key"):  # an object whose key must not keep it alive (a process group)
+            parts.append(x.propagation_key())
         else:
             try:
                 hash(x)
@@ -112,14 +114,16 @@ class Plan:
     requires_grad, where, which)`` with ``meta`` = ``(size, stride, storage offset, dtype, device)`` viewing a
     ``FRESH`` storage of ``which`` bytes, input ``which``'s storage (``OF_INPUT``) or that of output leaf ``which``
     (``OF_OUTPUT``). ``spec`` is the outputs' pytree (None: one leaf, returned as it is); ``written`` are the indices
-    of the inputs the call writes."""
+    of the inputs the call writes; ``groups`` says whether the call passes process groups (``RemoteProcessGroup``),
+    which the call must find among its arguments."""
 
-    __slots__ = ("steps", "spec", "written")
+    __slots__ = ("steps", "spec", "written", "groups")
 
     def __init__(self, steps: tuple, spec, written: tuple):
         self.steps = steps
         self.spec = spec
         self.written = written
+        self.groups = False
 
 
 class Propagator:

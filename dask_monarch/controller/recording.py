@@ -35,6 +35,7 @@ from ..protocol import (
     DefineRecording,
     DeleteRefs,
     Ref,
+    SendTensor,
     SplitComm,
     SplitCommForProcessGroup,
 )
@@ -230,7 +231,8 @@ class Recording:
         self.outputs = self._recipes(recorder, outputs, capture_storages)
         if cuda_graph:
             streams = {m.stream.id for _, m in self.messages if hasattr(m, "stream")}
-            streams |= {s.id for _, m in self.messages if type(m) is BorrowCreate for s in (m.from_stream, m.to_stream)}
+            streams |= {s.id for _, m in self.messages if type(m) in (BorrowCreate, SendTensor)
+                        for s in (m.from_stream, m.to_stream)}
             if len(streams) > 1:
                 raise RuntimeError(
                     f"compiled function {self.name}: cuda_graph=True needs a function that runs on one stream; it "

@@ -25,6 +25,7 @@ from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, Pick
 from ..protocol.function import resolve_path
 from .local import propagating
 from .mesh import DeviceMesh, frontend, get_active_mesh
+from .process_group import RemoteProcessGroup
 from .propagation import FRESH, INPUT, OF_INPUT, TENSOR, Plan, call_key
 from .storage import Storage
 from .stream import check_access, get_active_stream
@@ -126,7 +127,7 @@ def pack_leaves(leaves: list, where: str) -> list | None:
     workers cannot unpickle fails only that call there. None if every leaf travels as it is."""
     packed = None
     for i, x in enumerate(leaves):
-        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh)):
+        if type(x) in _WIRE_SAFE or isinstance(x, (Tensor, DeviceMesh, RemoteProcessGroup)):
             continue
         if packed is None:
             packed = list(leaves)
@@ -136,7 +137,7 @@ def pack_leaves(leaves: list, where: str) -> list | None:
 
 
 def _worker_view(x):
-    return x.seen_from() if isinstance(x, DeviceMesh) else x
+    return x.seen_from() if isinstance(x, (DeviceMesh, RemoteProcessGroup)) else x
 
 
 def _as_views(out, args, kwargs):
@@ -219,12 +220,20 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
                     x.check_usable()  # TypeError DROPPED
             plan = mesh._session.propagator.plan(key)
             if plan is not None:
-                return _issue(plan, function, name, args, kwargs, inputs, mesh)
+                groups = _groups_in(args, kwargs) if plan.groups else ()
+                if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
+                    return _issue(plan, function, name, args, kwargs, inputs, mesh, groups)
     return _call(function, name, shapes, args, kwargs, mesh, op, key)
 
 
-def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh):
-    """Send the ``CallFunction`` of a call whose outputs ``plan`` describes; returns its result."""
+def _groups_in(args: tuple, kwargs: dict) -> list:
+    """The ``RemoteProcessGroup`` arguments of a call."""
+    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteProcessGroup)]
+
+
+def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=()):
+    """Send the ``CallFunction`` of a call whose outputs ``plan`` describes, with the process groups ``groups``
+    among its arguments (each split on the call's stream first); returns its result."""
     session = mesh._session
     stream = get_active_stream()
     with session.lock:
@@ -250,10 +259,12 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
             else:
                 results.append(None)
                 values.append(inputs[step[1]] if kind == INPUT else step[1])
+        for group in groups:  # its communicator on this stream is built on its ranks before the call
+            group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)), stream_ref,
-            (),
+            tuple(g.ref for g in groups) if groups else (),
         )
         session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
@@ -270,6 +281,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
     sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
     inputs = []
     fake_leaves = []
+    groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
     for x in leaves:
         if isinstance(x, Tensor):
             x.check_usable()
@@ -299,7 +311,8 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
                 "with a function that returns outputs of the right shapes",
             ) from e
         if plan is not None:
-            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh)
+            plan.groups = bool(groups)
+            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups)
         written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written)
@@ -322,10 +335,12 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
                 results.append(None)
                 values.append(leaf)
         session.follow_default_dtype(stream_ref)
+        for group in groups:  # its communicator on this stream is built on its ranks before the call
+            group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
-            stream_ref, (),
+            stream_ref, tuple(g.ref for g in groups) if groups else (),
         )
         session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
@@ -394,14 +409,16 @@ def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
         mesh = default or get_active_mesh()
     if mesh is None:
         for x in leaves:
-            if isinstance(x, DeviceMesh):
-                mesh = x
+            if isinstance(x, (DeviceMesh, RemoteProcessGroup)):
+                mesh = x if isinstance(x, DeviceMesh) else x.mesh
                 break
         else:
             raise ValueError("no mesh: pass a remote tensor or a DeviceMesh, or call inside `with mesh.activate():`")
     for x in leaves:
         if isinstance(x, DeviceMesh) and x._session is not mesh._session:
             raise _wrong_session(f"mesh argument {x!r}", mesh, x)
+        if isinstance(x, RemoteProcessGroup) and x.mesh._session is not mesh._session:
+            raise _wrong_session(f"process group argument {x!r}", mesh, x.mesh)
     return mesh
 
 

@@ -129,6 +129,18 @@ class Tensor(torch.Tensor):
         """In-place ``reduce``: this tensor holds the result afterwards, and is returned (spec §1)."""
         return frontend.reduce_one(self, dims, reduction, scatter, mesh, True, None)
 
+    # ---------------------------------------------------------------------------------------------- movement
+    def to_mesh(self, mesh, stream=None) -> "Tensor":
+        """A copy of this tensor on ``mesh`` (on ``stream``, default this tensor's): ``dask_monarch.to_mesh``;
+        see there (spec §1 "to_mesh")."""
+        return frontend.to_mesh(self, self.mesh, mesh, stream)
+
+    def slice_mesh(self, **selection):
+        """This tensor restricted to ``self.mesh.slice(**selection)``, as the source of a ``.to_mesh(...)``
+        (Monarch's ``MeshSliceTensor``; spec §1 "to_mesh")."""
+        self.check_usable()
+        return frontend.slice_mesh(self, self.mesh.slice(**selection))
+
     # ------------------------------------------------------------------------------------------------ lifetime
     @property
     def dropped(self) -> bool:

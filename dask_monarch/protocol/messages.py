@@ -469,7 +469,11 @@ class SplitCommForProcessGroup(_Validated):
 
 @_message
 class SendTensor(_Validated):
-    """Point-to-point copy of ``tensor`` from ``from_ranks`` to ``to_ranks``, paired by row-major index (spec §5)."""
+    """Point-to-point copy of ``tensor`` from ``from_ranks`` to ``to_ranks``, paired by row-major index (spec §5).
+
+    ``seq`` (not in the seed) is the controller's seq of the ``to_mesh``: a sender whose input does not match
+    ``factory`` reports its error as ``RemoteFunctionFailed{seq}`` (it sends zeros, so the receiver never
+    waits); None in raw messages, which then only store the error."""
 
     result: Ref
     from_ranks: Slice
@@ -478,6 +482,7 @@ class SendTensor(_Validated):
     factory: Factory
     from_stream: StreamRef
     to_stream: StreamRef
+    seq: Optional[Seq] = None
 
 
 @_message

@@ -46,8 +46,11 @@ class Comms:
     ``device`` picks the backend (NCCL for CUDA, gloo otherwise).
     """
 
-    def __init__(self, worker, rank: int, world_size: int, timeout: float, device: torch.device):
+    def __init__(self, worker, rank: int, world_size: int, timeout: float, device: torch.device, key: str = ""):
         self.worker = worker
+        #: the prefix of the store keys of groups built without ``BackendNetworkInit`` (the session id: the
+        #: scheduler aborts a session's rendezvous by that prefix)
+        self.key = key
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -63,7 +66,7 @@ class Comms:
         self.stopped = threading.Event()
         self.stop_reason = "the session ended"
 
-    def _store(self, prefix: str) -> dist.Store:
+    def store(self, prefix: str) -> dist.Store:
         # keep the Python store alive: the C++ side holds it without its Python half otherwise (pybind11)
         inner = SchedulerStore(self.worker, self.timeout)
         self._stores.append(inner)
@@ -73,7 +76,7 @@ class Comms:
         """Build the process group of global ranks ``members`` (this rank among them) under store ``prefix``."""
         members = sorted(members)
         group_rank = members.index(self.rank)
-        store = self._store(prefix)
+        store = self.store(prefix)
         store.set(f"joined/{group_rank}", b"1")
         timeout = datetime.timedelta(seconds=self.timeout)
         try:
@@ -132,6 +135,41 @@ class Comms:
         ``members``. Built only by members; the same key on every member makes the same group."""
         key = f"{self.unique_id}/split/m{mesh_id}/s{stream_id}/{','.join(dims)}/{','.join(map(str, sorted(members)))}"
         return self._new_group(key, members)
+
+    def p2p(self, from_stream: int, to_stream: int):
+        """``BackendNetworkPointToPointInit``: the send/recv communicator of stream pair ``(from_stream,
+        to_stream)`` over all ranks (spec §5), built through the scheduler store; the world communicator is not
+        needed."""
+        return self._new_group(f"{self.key}/p2p/s{from_stream}-s{to_stream}", list(range(self.world_size)))
+
+    def group(self, prefix: str, members: list[int]):
+        """The communicator of global ranks ``members`` (this rank among them) under store key ``prefix``
+        (which must start with ``key``); released with the session's others."""
+        return self._new_group(prefix, members)
+
+    def post(self, what: str, start):
+        """``start()`` (which posts operations on the session's groups and returns their works), unless the session
+        has stopped: then ``CommError``. Under the lock that ``shutdown``/``abort`` take to stop, so an operation is
+        either refused or posted before the groups' connections are shut down (which then fails it): a gloo
+        send posted on a pair already shut down would wait for ``comm_timeout``."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise CommError(f"{what} abandoned: {self.stop_reason}")
+            return start()
+
+    def release(self, group) -> None:
+        """Release ``group`` now, before the session ends (its last user is done with it)."""
+        with self._lock:
+            for i, g in enumerate(self.groups):
+                if g is group:
+                    del self.groups[i]
+                    if self.backend == "gloo":
+                        del self._gloo_addresses[i]
+                    break
+            else:
+                return
+        if self.backend != "gloo":
+            _quietly(group.shutdown)
 
     def shutdown(self, reason: str | None = None) -> None:
         """Release every process group now (the session ended cleanly: nothing is pending). A collective still

@@ -109,6 +109,8 @@ def _capture_step(stream, call, step, index: int, inputs: dict, outputs: dict) -
             outputs[step.msg.output_index] = env[step.msg.result.id]
         elif kind is BorrowStep:
             raise _Uncapturable(index, "a borrow cannot be captured in a CUDA graph")
+        elif getattr(step, "graph_refusal", None):
+            raise _Uncapturable(index, step.graph_refusal)
         else:
             step.run(stream, env, call)
             if kind is Call:

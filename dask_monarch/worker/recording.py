@@ -4,8 +4,9 @@ once; ``CallRecording`` replays them (spec §7 "Worker DefineRecording", "Stream
 
 A definition arrives in chunks (``index`` 0, 1, ... of ``ntotal_messages``) that accumulate until the last one;
 then its commands are taken in order, as Monarch's streams in defining mode take them: each stream a command
-names joins the recording and *appends* it instead of running it (``CallFunction``, ``Reduce``, the four borrow
-messages, ``DeleteRefs``, ``RecordingFormal``, ``RecordingResult``). A ``DeleteRefs`` is appended to the streams
+names joins the recording and *appends* it instead of running it (``CallFunction``, ``Reduce``, ``SendTensor``
+(on its from stream, and on its to stream where this rank receives there), the four borrow messages,
+``DeleteRefs``, ``RecordingFormal``, ``RecordingResult``). A ``DeleteRefs`` is appended to the streams
 already in the recording and runs at once on the others. The checks of defining mode are fatal (class F), with
 Monarch's texts. Each stream's commands become a ``Program`` of prepared steps (``worker/replay.py``): functions
 resolved, arguments bound to ref ids, so that a replay pays no unpickling, validation or path resolution.
@@ -39,6 +40,7 @@ from ..protocol import (
     Reduce,
     RemoteFunctionFailed,
     RequestStatus,
+    SendTensor,
     SendValue,
     SplitComm,
     SplitCommForProcessGroup,
@@ -48,6 +50,7 @@ from .borrow import Borrow
 from .errors import FatalError, NotImplementedYet, SeqError
 from .graphs import replay_graph
 from .replay import Program, replay
+from .send_tensor import SendStep, TakeStep, plan
 from .steps import BorrowStep, Call, Delete, Formal, ReduceStep, Result
 
 __all__ = ["Definitions", "Recording", "ReplayCall"]
@@ -256,6 +259,8 @@ class _Builder:
             self.program(msg.stream, f"CallFunction {msg.seq}").add(Call(msg), msg.results)
         elif kind is Reduce:
             self.program(msg.stream, "Reduce").add(ReduceStep(msg), [msg.result])
+        elif kind is SendTensor:
+            self.send_tensor(msg)
         elif kind is RecordingFormal:
             self.program(msg.stream, "RecordingFormal").add(Formal(msg), [msg.result])
         elif kind is RecordingResult:
@@ -270,6 +275,14 @@ class _Builder:
             self.fail(_REFUSED[kind])
         else:
             raise NotImplementedYet(f"{kind.__name__} in a recording")
+
+    def send_tensor(self, msg: SendTensor) -> None:
+        """A ``SendTensor`` joins the recording on the from stream (where the transfer runs) and, when this rank
+        receives on another stream, on the to stream too (``worker/send_tensor.py``)."""
+        p = plan(self.tw, msg, f"DefineRecording r{self.rid}: SendTensor")
+        self.program(msg.from_stream, "SendTensor").add(SendStep(p), [msg.result] if p.defines_on_from else ())
+        if p.handoff is not None:
+            self.program(msg.to_stream, "SendTensor").add(TakeStep(p), [msg.result])
 
     def delete_refs(self, msg: DeleteRefs) -> None:
         for program in self.programs.values():

@@ -41,7 +41,8 @@ class Call:
     tuple of refs and constants) or ``("nested", obj)`` (anything else that holds refs: resolved at each call).
     ``run`` looks the refs up, calls, and stores the result leaves."""
 
-    __slots__ = ("msg", "index", "name", "fn", "error", "args", "kwargs", "nested", "results", "mutates", "returns")
+    __slots__ = ("msg", "index", "name", "fn", "error", "args", "kwargs", "nested", "results", "mutates", "returns",
+                 "groups")
 
     def __init__(self, msg):
         self.msg = msg
@@ -73,6 +74,9 @@ class Call:
                 f"invalid remote function: failed to resolve function {msg.function!r}: {type(e).__name__}: {e}"
             )
         self.fn = fn
+        # the process groups among the arguments, bound once: the controller split them before the definition
+        self.groups = tw.process_groups.for_call(
+            msg.remote_process_groups, msg.stream.id, f"CallFunction {msg.seq}") if msg.remote_process_groups else {}
         self.args = [self._bind(a, tw) for a in msg.args_kwargs.args]
         self.kwargs = {k: self._bind(v, tw) for k, v in msg.args_kwargs.kwargs.items()}
         self.nested = any(spec[0] == "nested" for spec in (*self.args, *self.kwargs.values()))
@@ -80,6 +84,9 @@ class Call:
     def _bind(self, a, tw) -> tuple:
         t = type(a)
         if t is Ref:
+            group = self.groups.get(a.id)
+            if group is not None:
+                return ("const", group)
             mesh = tw.device_meshes.get(a.id)
             return ("ref", a.id) if mesh is None else ("const", mesh)
         if t is PickledValue:
@@ -148,7 +155,7 @@ class Call:
             return spec[1]
         if kind == "list":
             return spec[1](self._value(item, stream, env) for item in spec[2])
-        return stream._resolve(spec[1], True)
+        return stream._resolve(spec[1], True, self.groups)
 
     def run(self, stream, env, call) -> None:
         if self.error is not None:

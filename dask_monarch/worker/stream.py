@@ -272,7 +272,9 @@ class StreamWorker(ReduceHandler):
         self.tw.note_error(seq, err.error.backtrace)
         return err
 
-    def _lookup(self, ref_id: int, meshes: bool):
+    def _lookup(self, ref_id: int, meshes: bool, groups: dict | None = None):
+        if groups and ref_id in groups:
+            return groups[ref_id]
         if meshes:
             mesh = self.tw.device_meshes.get(ref_id)
             if mesh is not None:
@@ -284,11 +286,12 @@ class StreamWorker(ReduceHandler):
             raise DependentError(value)
         return value
 
-    def _resolve(self, obj, meshes: bool):
-        """Replace every ``Ref`` leaf (or object with ``__monarch_ref__``) of ``obj`` by its value (spec §8)."""
+    def _resolve(self, obj, meshes: bool, groups: dict | None = None):
+        """Replace every ``Ref`` leaf (or object with ``__monarch_ref__``) of ``obj`` by its value (spec §8);
+        ``groups`` maps the refs of the call's process groups to theirs (``worker/process_group.py``)."""
         t = type(obj)
         if t is Ref:
-            return self._lookup(obj.id, meshes)
+            return self._lookup(obj.id, meshes, groups)
         if t in _PLAIN:
             return obj
         if t is PickledValue:
@@ -296,17 +299,17 @@ class StreamWorker(ReduceHandler):
 
         def leaf(x):
             if type(x) is Ref:
-                return self._lookup(x.id, meshes)
+                return self._lookup(x.id, meshes, groups)
             if type(x) is PickledValue:
                 return _load_argument(x)
             ref = getattr(x, "__monarch_ref__", None)
             if ref is not None and not isinstance(x, type):
-                return self._lookup(ref(), meshes)
+                return self._lookup(ref(), meshes, groups)
             return x
 
         return tree_map(leaf, obj)
 
-    def _resolve_args(self, args_kwargs, meshes: bool):
+    def _resolve_args(self, args_kwargs, meshes: bool, groups: dict | None = None):
         """Resolved ``(args, kwargs)``. Plain values and top-level refs take a fast path (the per-message
         budget); containers go through ``_resolve``."""
         env = self.env
@@ -315,6 +318,9 @@ class StreamWorker(ReduceHandler):
         for a in args_kwargs.args:
             t = type(a)
             if t is Ref:
+                if groups and a.id in groups:
+                    args.append(groups[a.id])
+                    continue
                 if device_meshes:
                     mesh = device_meshes.get(a.id)
                     if mesh is not None:
@@ -329,10 +335,10 @@ class StreamWorker(ReduceHandler):
             elif t in _PLAIN:
                 args.append(a)
             else:
-                args.append(self._resolve(a, meshes))
+                args.append(self._resolve(a, meshes, groups))
         kwargs = args_kwargs.kwargs
         if kwargs:
-            kwargs = {k: self._resolve(v, meshes) for k, v in kwargs.items()}
+            kwargs = {k: self._resolve(v, meshes, groups) for k, v in kwargs.items()}
         return args, kwargs
 
     def _store_error(self, refs, err: SeqError) -> None:
@@ -355,7 +361,11 @@ class StreamWorker(ReduceHandler):
                 raise ValueFailure(
                     f"invalid remote function: failed to resolve function {function!r}: {type(e).__name__}: {e}"
                 ) from None
-            args, kwargs = self._resolve_args(msg.args_kwargs, True)
+            groups = None
+            if msg.remote_process_groups:
+                groups = self.tw.process_groups.for_call(msg.remote_process_groups, self.ref.id,
+                                                         f"CallFunction seq {msg.seq}")
+            args, kwargs = self._resolve_args(msg.args_kwargs, True, groups)
             out = fn(*args, **kwargs)
             results = msg.results
             if type(out) is torch.Tensor and len(results) == 1:  # the common case, without flattening

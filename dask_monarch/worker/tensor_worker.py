@@ -61,7 +61,9 @@ from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
+from .process_group import ProcessGroups, unregister, wrap
 from .recording import Definitions
+from .send_tensor import Exchange, Take, plan
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
 __all__ = ["TensorWorker", "SessionParams", "STUCK_AFTER", "RECENT_ERRORS"]
@@ -118,7 +120,11 @@ class TensorWorker:
         self.device_meshes: dict[int, DeviceMesh] = {}
         self.borrows: dict[int, Borrow] = {}
         self.recordings = Definitions(self)
-        self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device)
+        self.comms = Comms(worker, rank, world_size, float(options.get("comm_timeout", 300.0)), self.device,
+                           key=session_id)
+        #: ``(from stream id, to stream id)`` -> the send/recv ``ProcessGroup`` (``BackendNetworkPointToPointInit``)
+        self.p2p: dict = {}
+        self.process_groups = ProcessGroups(self)
         self.inbox = Inbox()
         self.outbox = Outbox(self.actor_id)
         self.failure: str | None = None
@@ -140,12 +146,12 @@ class TensorWorker:
         self._on_close = on_close
         self._handlers = {
             BackendNetworkInit: self.backend_network_init,
-            BackendNetworkPointToPointInit: self.not_implemented,
+            BackendNetworkPointToPointInit: self.backend_network_point_to_point_init,
             CallFunction: self.call_function,
             CommandGroup: self.command_group,
             CreateStream: self.create_stream,
             CreateDeviceMesh: self.create_device_mesh,
-            CreateRemoteProcessGroup: self.not_implemented,
+            CreateRemoteProcessGroup: self.create_remote_process_group,
             BorrowCreate: self.borrow_create,
             BorrowFirstUse: self.borrow_first_use,
             BorrowLastUse: self.borrow_last_use,
@@ -154,8 +160,8 @@ class TensorWorker:
             RequestStatus: self.request_status,
             Reduce: self.reduce,
             SplitComm: self.split_comm,
-            SplitCommForProcessGroup: self.not_implemented,
-            SendTensor: self.not_implemented,
+            SplitCommForProcessGroup: self.split_comm_for_process_group,
+            SendTensor: self.send_tensor,
             SendValue: self.send_value,
             SendResultOfActorCall: self.send_result_of_actor_call,
             CallActorMethod: self.call_actor_method,
@@ -300,6 +306,11 @@ class TensorWorker:
             self.comms.shutdown()
         else:
             self.comms.abort()
+        self.process_groups.close()  # out of torch.distributed's tables too
+        self.process_groups = ProcessGroups(None)  # it refers back to this object
+        for group in self.p2p.values():
+            unregister(group)
+        self.p2p = {}
         self.inbox.close()
         for mesh in list(self.device_meshes.values()):
             mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
@@ -353,6 +364,45 @@ class TensorWorker:
         except (MeshError, CommError) as e:
             raise FatalError(f"SplitComm: {e}") from None
         mesh.comms[key] = (len(members), group)
+
+    def backend_network_point_to_point_init(self, msg: BackendNetworkPointToPointInit) -> None:
+        """Build the send/recv communicator of ``(from_stream, to_stream)`` over all ranks (spec §5), through the
+        scheduler store; ``SendTensor`` between those streams uses it (``worker/send_tensor.py``)."""
+        self._stream(msg.from_stream, "BackendNetworkPointToPointInit from_stream")
+        self._stream(msg.to_stream, "BackendNetworkPointToPointInit to_stream")
+        key = (msg.from_stream.id, msg.to_stream.id)
+        if key in self.p2p:
+            raise FatalError(f"BackendNetworkPointToPointInit: a comm already exists for streams {key}")
+        comms = self.comms
+        try:
+            backend = comms.p2p(*key)
+        except CommError as e:
+            raise FatalError(f"BackendNetworkPointToPointInit {key}: {e}") from None
+        name = f"monarch/{self.session_id}/p2p/s{key[0]}-s{key[1]}/rank{self.rank}"
+        everyone = list(range(self.world_size))
+        self.p2p[key] = wrap(backend, comms.backend, comms.device, everyone, self.rank, name,
+                             comms.store(f"{comms.key}/p2p/s{key[0]}-s{key[1]}/pg"))
+
+    def send_tensor(self, msg: SendTensor) -> None:
+        """``SendTensor``: this rank's transfer runs on the from stream; what it receives is stored by the to
+        stream, in its order (spec §5; ``worker/send_tensor.py``)."""
+        p = plan(self, msg)
+        p.from_stream.enqueue(Exchange(p))
+        if p.handoff is not None:
+            p.to_stream.enqueue(Take(p))
+
+    def create_remote_process_group(self, msg: CreateRemoteProcessGroup) -> None:
+        """Remember a process group over ``dims`` of a mesh (spec §5; ``worker/process_group.py``)."""
+        self.process_groups.create(msg)
+
+    def split_comm_for_process_group(self, msg: SplitCommForProcessGroup) -> None:
+        """Build this rank's ``torch.distributed`` ProcessGroup of a remote process group for one stream (spec §5;
+        ``worker/process_group.py``)."""
+        stream = self._stream(msg.stream, "SplitCommForProcessGroup")
+        try:
+            self.process_groups.split(msg, stream)
+        except CommError as e:
+            raise FatalError(f"SplitCommForProcessGroup {msg.remote_process_group}: {e}") from None
 
     def call_function(self, msg: CallFunction) -> None:
         stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, f"CallFunction seq {msg.seq}")
@@ -430,6 +480,7 @@ class TensorWorker:
         for ref in msg.refs:
             self.device_meshes.pop(ref.id, None)
             self.recordings.delete(ref.id)
+            self.process_groups.delete(ref.id)
         for stream in self.streams.values():
             stream.enqueue(msg)
 
