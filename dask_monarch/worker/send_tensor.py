@@ -39,7 +39,7 @@ from . import comm
 from .borrow import SessionOver, _record
 from .errors import FatalError, SeqError
 from .steps import Failed
-from .stream import _mismatch
+from .reduce import _mismatch
 
 __all__ = ["Handoff", "Plan", "plan", "Exchange", "Take", "SendStep", "TakeStep"]
 
