@@ -274,7 +274,7 @@ def test_with_a_stopped_sender_the_receiver_aborts_its_groups_and_frees_them_at_
                     and u["threads"] - before[receiver]["threads"] <= THREAD_MARGIN
                     and u["fds"] - before[receiver]["fds"] <= FD_MARGIN)
 
-        assert wait_until(receiver_free, 60), client.run(_usage_probe(), workers=[receiver])
+        assert wait_until(receiver_free, 60), (before[receiver], client.run(_usage_probe(), workers=[receiver]))
         assert time.monotonic() - failed_at < 30  # seconds, not comm_timeout's 240
     finally:
         os.kill(sender_pid, signal.SIGCONT)

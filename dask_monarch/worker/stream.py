@@ -195,11 +195,12 @@ class StreamWorker(ReduceHandler):
         self.env.clear()
         self.comm = None
         self.cuda_stream = None
+        self.current = None  # a queue item (an Exchange of SendTensor) refers back to this stream
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
-                return
+                break
 
     def _serve(self) -> None:
         tw = self.tw

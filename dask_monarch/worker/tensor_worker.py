@@ -300,12 +300,12 @@ class TensorWorker:
         streams = list(self.streams.values())
         for stream in streams:
             stream.stop()
+        if self.failure is not None:
+            self.comms.abort()  # first: a stream blocked in a collective or a transfer with a lost peer errors out now
         for stream in streams:
             stream.thread.join(join_timeout)
         if self.failure is None:
             self.comms.shutdown()
-        else:
-            self.comms.abort()
         self.process_groups.close()  # out of torch.distributed's tables too
         self.process_groups = ProcessGroups(None)  # it refers back to this object
         for group in self.p2p.values():
