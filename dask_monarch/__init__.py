@@ -29,6 +29,7 @@ from .controller import (
     reduce_,
     remote,
 )
+from .data import Pipe, create_pipe, from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
 
 
@@ -50,6 +51,7 @@ __all__ = [
     "Borrow",
     "DeviceMesh",
     "MonarchFuture",
+    "Pipe",
     "RemoteException",
     "SessionError",
     "Stream",
@@ -57,7 +59,9 @@ __all__ = [
     "attach",
     "coalescing",
     "compile",
+    "create_pipe",
     "fetch_shard",
+    "from_dask",
     "get_active_mesh",
     "get_active_stream",
     "inspect",
@@ -66,4 +70,6 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "to_dask",
+    "to_dask_dataframe",
 ]

@@ -29,6 +29,7 @@ from ..protocol import (
     SendValue,
     SetRefUnitTestsOnly,
     GetRefUnitTestsOnly,
+    PipeRecv,
     StreamCreationMode,
     StreamRef,
     WireValue,
@@ -42,10 +43,16 @@ from .borrow import BorrowStep, SessionOver
 from .device import pin
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .inbox import load_segment
+from . import pipe
+from .context import _local
 
 __all__ = ["StreamWorker", "StreamSegment", "StatusBarrier"]
 
 _MISSING = object()
+try:  # the context variable behind distributed.get_worker()
+    from distributed.worker import _worker_cvar
+except ImportError:  # pragma: no cover - another distributed version
+    _worker_cvar = None
 _STOP = object()
 _PLAIN = frozenset((int, float, bool, str, bytes, type(None), torch.Tensor, torch.dtype, torch.device))
 
@@ -189,6 +196,10 @@ class StreamWorker:
 
     # ------------------------------------------------------------------------------------------- stream thread
     def _start_device(self) -> None:
+        _local.stream = self
+        worker = self.tw.worker
+        if _worker_cvar is not None and hasattr(worker, "data"):
+            _worker_cvar.set(worker)  # distributed.get_worker() in a remote function is this Dask worker
         device = self.tw.device
         pin(device)
         if device.type == "cuda":
@@ -232,6 +243,7 @@ class StreamWorker:
             DeleteRefs: self.delete_refs,
             SetRefUnitTestsOnly: self.set_ref,
             GetRefUnitTestsOnly: self.get_ref,
+            PipeRecv: self.pipe_recv,
             StatusBarrier: StatusBarrier.arrive,
             BorrowStep: self.borrow_step,
         }
@@ -444,6 +456,10 @@ class StreamWorker:
             err = self._root_error(msg.seq)
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
+
+    def pipe_recv(self, msg) -> None:
+        """``PipeRecv``: the next batch of a pipe into ``msg.results`` (``worker/pipe.py``: ``recv``)."""
+        pipe.recv(self, msg)
 
     def borrow_step(self, step: BorrowStep) -> None:
         """A step of a borrow (``Borrow.lend``, ``first_use``, ``last_use``, ``drop``; ``worker/borrow.py``)."""
