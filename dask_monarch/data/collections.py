@@ -23,7 +23,7 @@ from ..controller.mesh import DeviceMesh
 from ..controller.remote import call_on_mesh, function_of
 from ..controller.tensor import Tensor
 from ..worker.exports import RawRef
-from .tasks import TORCH_DTYPES, assemble, numpy_dtype_of, rows, take_export
+from .tasks import TORCH_DTYPES, assemble, frame, numpy_dtype_of, rows, take_export
 
 __all__ = ["from_dask", "to_dask", "to_dask_dataframe", "partitions_of", "mesh_dim"]
 
@@ -243,7 +243,12 @@ def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
     """
     import dask.array as da
 
-    what = "to_dask"
+    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, "to_dask")
+    return da.concatenate([da.from_delayed(f, shape=shape, dtype=np_dtype) for f in futures], axis=0)
+
+
+def _shard_futures(tensor, dim, timeout: float, what: str):
+    """``(shard shape, numpy dtype, futures)``: the ``take_export`` tasks of ``tensor``'s shards along ``dim``."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
     tensor.check_usable()
@@ -261,33 +266,39 @@ def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
     session.flush()
     client = mesh.client
     workers = mesh.workers
-    chunks = []
-    shape = tuple(tensor.shape)
-    for position, rank in enumerate(ranks):
-        future = client.submit(take_export, session.id, token, rank, timeout, workers=[workers[rank]],
-                               allow_other_workers=False, pure=False, key=f"monarch-to_dask-{token}-{position}")
-        chunks.append(da.from_delayed(future, shape=shape, dtype=np_dtype))
-    return da.concatenate(chunks, axis=0)
+    futures = [
+        client.submit(take_export, session.id, token, rank, timeout, workers=[workers[rank]],
+                      allow_other_workers=False, pure=False, key=f"monarch-{what}-{token}-{position}")
+        for position, rank in enumerate(ranks)
+    ]
+    return tuple(tensor.shape), np_dtype, futures
 
 
 def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, timeout: float = 300.0):
     """A ``dask.dataframe.DataFrame`` of ``tensor`` (1-D: one column; 2-D: one column per tensor column) whose
-    partitions are the shards along ``dim``, as ``to_dask`` makes them (the same snapshot rule; nothing through
-    the controller). ``columns`` names the columns (default ``"0"``, ``"1"``, ...; ``ValueError`` if the count
-    differs from the tensor's columns). The index runs 0 .. N-1 over the partitions in order."""
+    partitions are the shards along ``dim``, made as ``to_dask`` makes its chunks (the same snapshot rule;
+    each partition is built on the worker holding its shard, nothing through the controller). ``columns`` names
+    the columns (default ``"0"``, ``"1"``, ...; ``ValueError`` if the count differs from the tensor's columns).
+    The index runs 0 .. N-1 over the partitions in order."""
     import dask.dataframe as dd
+    import pandas as pd
 
-    if isinstance(tensor, Tensor) and tensor.dim() not in (1, 2):
-        raise ValueError(f"to_dask_dataframe: expected a 1-D or 2-D tensor, got shape {list(tensor.shape)}")
-    array = to_dask(tensor, dim, timeout=timeout)
-    if array.ndim == 1:
-        array = array[:, None]
-    width = array.shape[1]
+    what = "to_dask_dataframe"
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
+    if tensor.dim() not in (1, 2):
+        raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {list(tensor.shape)}")
+    width = 1 if tensor.dim() == 1 else tensor.shape[1]
     if columns is None:
         columns = [str(i) for i in range(width)]
     elif isinstance(columns, str):
         columns = [columns]
     columns = list(columns)
     if len(columns) != width:
-        raise ValueError(f"to_dask_dataframe: {len(columns)} column names {columns} for a tensor of {width} columns")
-    return dd.from_dask_array(array, columns=columns)
+        raise ValueError(f"{what}: {len(columns)} column names {columns} for a tensor of {width} columns")
+    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, what)
+    rows = shape[0]
+    client = tensor.mesh.client
+    frames = [client.submit(frame, f, columns, i * rows, pure=False, key=f"{f.key}-frame") for i, f in enumerate(futures)]
+    meta = pd.DataFrame({c: np.empty(0, dtype=np_dtype) for c in columns})
+    return dd.from_delayed(frames, meta=meta, divisions=[i * rows for i in range(len(frames))] + [len(frames) * rows - 1])

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 __all__ = ["TORCH_DTYPES", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
-           "feed_partition", "nrows"]
+           "feed_partition", "frame", "nrows"]
 
 #: numpy dtype -> torch dtype (what ``torch.from_numpy`` accepts)
 TORCH_DTYPES = {
@@ -113,6 +113,15 @@ async def take_export(session_id: str, token: str, rank: int, timeout: float) ->
                            "the tensor's stream may be blocked)") from None
     finally:
         exports.take(session_id, token, rank)
+
+
+def frame(chunk: np.ndarray, columns: list, start: int):
+    """A shard (a numpy chunk from ``take_export``) as a pandas DataFrame with ``columns`` and the index
+    ``start, start + 1, ...`` (run where Dask holds the chunk: it depends on that one chunk only)."""
+    import pandas as pd
+
+    values = chunk.reshape(len(chunk), -1)
+    return pd.DataFrame(values, columns=columns, index=pd.RangeIndex(start, start + len(chunk)))
 
 
 def feed_partition(session_id: str, token: str, index: int, part, columns, dtype, label, label_dtype) -> int:
