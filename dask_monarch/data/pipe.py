@@ -32,6 +32,16 @@ __all__ = ["Pipe", "create_pipe"]
 
 _OPEN_GENERATOR = FunctionPath("dask_monarch.worker.pipe.open_generator")
 _OPEN_COLLECTION = FunctionPath("dask_monarch.worker.pipe.open_collection")
+_CLOSE = FunctionPath("dask_monarch.worker.pipe.close_source")
+
+#: feed tasks not finished yet: held here, not by the pipe, because recvs already sent need them even when the
+#: pipe is closed or garbage-collected meanwhile (the controller runs ahead of the workers)
+_inflight: set = set()
+
+
+def _hold(future) -> None:
+    _inflight.add(future)
+    future.add_done_callback(_inflight.discard)
 
 
 class Pipe:
@@ -110,9 +120,16 @@ class Pipe:
             return
         self.closed = True
         if self._feeder is not None:
-            self._feeder.release()
-        if self._ref is not None and not self.mesh._session.closed:
-            self.mesh._session.drop_ref(self._ref.id, self.mesh._rank_list)
+            self._feeder.release(self.received)
+        session = self.mesh._session
+        if self._ref is not None and not session.closed and session.failure is None:
+            with session.lock:  # after the recvs sent so far, the workers let go of what the pipe holds
+                stream_ref = self._stream.ref_for(session)
+                seq = session.new_seq()
+                session.record(seq, defs=[], uses=[], what=f"pipe {self._name}.close")
+                session.send(CallFunction(seq, [None], (), _CLOSE, ArgsKwargs((self._ref,), {}), stream_ref, ()),
+                             self.mesh._rank_list)
+            session.drop_ref(self._ref.id, self.mesh._rank_list)
 
     def __repr__(self) -> str:
         return f"Pipe({self._name}; {self.received} of {self.length if self.length is not None else '?'} batches)"
@@ -152,7 +169,7 @@ class _Feeder:
         self.convert = convert  # (columns, dtype, label, label dtype)
         self.fed = {r: 0 for r in assignment}  # partitions fed so far, per rank
         self.rows = {r: 0 for r in assignment}
-        self.tasks: list = []
+        self.tasks: dict = {}  # (rank, index) -> the feed task's future
 
     def top_up(self, upcoming: int) -> None:
         """Feed every rank enough partitions for ``upcoming + prefetch`` batches (or all it has)."""
@@ -160,7 +177,6 @@ class _Feeder:
         session = self.mesh._session
         workers = self.mesh.workers
         goal = upcoming + self.prefetch
-        self.tasks = [f for f in self.tasks if not f.done()]
         for rank, parts in self.assignment.items():
             while self.fed[rank] < len(parts):
                 have = self.fed[rank] if self.batch_size is None else self.rows[rank] // self.batch_size
@@ -168,18 +184,35 @@ class _Feeder:
                     break
                 index = self.fed[rank]
                 j = parts[index]
-                self.tasks.append(client.submit(
+                future = client.submit(
                     feed_partition, session.id, self.token, index, self.futures[j], *self.convert,
                     workers=[workers[rank]], allow_other_workers=False, pure=False, priority=-index,
                     key=f"monarch-pipe-{self.token}-{rank}-{index}",
-                ))
+                )
+                _hold(future)
+                self.tasks[rank, index] = future
                 self.fed[rank] += 1
                 self.rows[rank] += self.counts[j]
 
-    def release(self) -> None:
-        for f in self.tasks:
-            f.release()
-        self.tasks = []
+    def needed(self, rank: int, received: int) -> int:
+        """How many of ``rank``'s partitions the first ``received`` batches use."""
+        if self.batch_size is None:
+            return received
+        rows, want = 0, received * self.batch_size
+        for k, j in enumerate(self.assignment[rank]):
+            if rows >= want:
+                return k
+            rows += self.counts[j]
+        return len(self.assignment[rank])
+
+    def release(self, received: int) -> None:
+        """The pipe is closed after ``received`` batches: cancel the feeds no sent recv needs (the others finish,
+        held by ``_inflight``)."""
+        for (rank, index), future in self.tasks.items():
+            if index >= self.needed(rank, received):
+                _inflight.discard(future)
+                future.release()
+        self.tasks = {}
         self.futures = []
 
 

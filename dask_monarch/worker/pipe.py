@@ -36,6 +36,8 @@ _END = object()
 
 #: (session id, pipe token) -> source; a feed task may arrive before the pipe's open message has run
 _sources: dict = {}
+#: (session id, pipe token) of pipes closed here, so that a late feed task does not make them anew
+_closed: set = set()
 _lock = threading.Lock()
 
 
@@ -170,7 +172,7 @@ class CollectionSource:
             if not self._cond.wait_for(lambda: index in self._parts or self._closed, timeout):
                 raise TimeoutError(
                     f"pipe {self.name}: partition {index} of this rank did not arrive within {timeout} s (its Dask "
-                    "task has not run yet: see the dashboard's task stream)"
+                    f"task has not run yet: see the dashboard's task stream; partitions here: {sorted(self._parts)})"
                 )
             if self._closed:
                 raise Exhausted(f"pipe {self.name} is closed")
@@ -242,17 +244,36 @@ def open_collection(token: str, batch_size, expect, timeout: float, device=None)
 
 
 def collection_source(session_id: str, token: str) -> CollectionSource:
-    """The ``CollectionSource`` of pipe ``token`` of ``session_id`` on this worker, made if it is not there yet."""
+    """The ``CollectionSource`` of pipe ``token`` of ``session_id`` on this worker, made if it is not there yet
+    (a closed one for a pipe already closed here)."""
     with _lock:
+        if (session_id, token) in _closed:
+            source = CollectionSource(token)
+            source.close()
+            return source
         source = _sources.get((session_id, token))
         if source is None:
             source = _sources[(session_id, token)] = CollectionSource(token)
         return source
 
 
+def close_source(source) -> None:
+    """``Pipe.close()``, in the stream's order after the pipe's recvs: stop the source, drop what it holds."""
+    source.close()
+    stream = current_stream()
+    if stream is not None:
+        with _lock:
+            for key, value in list(_sources.items()):
+                if value is source:
+                    del _sources[key]
+                    _closed.add(key)
+
+
 def release_session(session_id: str) -> None:
     """The session ended on this worker: stop and forget its pipes."""
     with _lock:
+        for key in [k for k in _closed if k[0] == session_id]:
+            _closed.discard(key)
         keys = [k for k in _sources if k[0] == session_id]
         sources = [_sources.pop(k) for k in keys]
     for source in sources:
