@@ -37,6 +37,7 @@ from .controller import (
     slice_mesh,
     to_mesh,
 )
+from .data import Pipe, create_pipe, from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
 
 
@@ -63,6 +64,7 @@ __all__ = [
     "DeviceMesh",
     "MeshSliceTensor",
     "MonarchFuture",
+    "Pipe",
     "RemoteException",
     "RemoteProcessGroup",
     "SessionError",
@@ -71,7 +73,9 @@ __all__ = [
     "attach",
     "coalescing",
     "compile",
+    "create_pipe",
     "fetch_shard",
+    "from_dask",
     "get_active_mesh",
     "get_active_stream",
     "inspect",
@@ -82,4 +86,6 @@ __all__ = [
     "remote",
     "slice_mesh",
     "to_mesh",
+    "to_dask",
+    "to_dask_dataframe",
 ]

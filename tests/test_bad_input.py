@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from rawmsg import ctl_messages, get_refs
 from dask_monarch.protocol import (
     ArgsKwargs,
+    BackendNetworkPointToPointInit,
     CallFunction,
     CreateDeviceMesh,
     CreateStream,
@@ -28,6 +30,7 @@ from dask_monarch.protocol import (
     ProtocolError,
     Reduce,
     Reduction,
+    RemoteFunctionFailed,
     Slice,
     StreamCreationMode,
     StreamRef,
@@ -212,10 +215,21 @@ def test_second_write_to_a_result_ref_fails_the_session(mesh1, client1, worker_p
 
 
 def test_variant_not_implemented_yet_fails_the_session(mesh1, client1, worker_pids):
-    session = mesh1._session
-    error = fails_fatally(mesh1, PipeRecv(session.new_seq(), [session.new_ref()], session.new_ref(), ST0))
-    assert "not implemented yet: PipeRecv" in str(error)
+    error = fails_fatally(mesh1, BackendNetworkPointToPointInit(ST0, ST0))
+    assert "not implemented yet: BackendNetworkPointToPointInit" in str(error)
     assert_cluster_serves(client1)
+
+
+def test_pipe_recv_of_an_unknown_pipe_is_a_value_error(mesh1):
+    # PipeRecv is implemented (issue 15): a ref that holds no pipe fails that recv's results, not the session
+    session = mesh1._session
+    results = [session.new_ref(), session.new_ref()]
+    seq = session.new_seq()
+    session.send(PipeRecv(seq, results, session.new_ref(), ST0))
+    (answer,) = get_refs(session, (results[0], ST0))
+    assert "pipe not found" in answer.error
+    failed = [m for m in ctl_messages(session) if isinstance(m, RemoteFunctionFailed)]
+    assert [m.seq for m in failed] == [seq]
 
 
 # ---------------------------------------------------------------------------------------- controller checks

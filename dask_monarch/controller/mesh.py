@@ -309,9 +309,20 @@ class DeviceMesh:
                 closer()
 
     def __enter__(self) -> "DeviceMesh":
+        """The mesh's client is Dask's current client inside the block (as in ``with Client():``), so a plain
+        ``compute()`` / ``persist()`` of a Dask collection runs on the mesh's cluster."""
+        as_current = self._session.client.as_current()
+        as_current.__enter__()
+        self.__dict__.setdefault("_as_current", []).append(as_current)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        stack = self.__dict__.get("_as_current")
+        if stack:
+            try:
+                stack.pop().__exit__(None, None, None)
+            except ValueError:  # left in another context than it was entered in (a generator, a thread)
+                pass
         if exc_type is None:
             self.exit()
         else:

@@ -28,6 +28,7 @@ from ..protocol import (
     SendValue,
     SetRefUnitTestsOnly,
     GetRefUnitTestsOnly,
+    PipeRecv,
     StreamCreationMode,
     StreamRef,
     WireValue,
@@ -41,10 +42,16 @@ from .device import pin
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .inbox import load_segment
 from .reduce import ReduceHandler
+from . import pipe
+from .context import _local
 
 __all__ = ["StreamWorker", "StreamSegment", "StatusBarrier"]
 
 _MISSING = object()
+try:  # the context variable behind distributed.get_worker()
+    from distributed.worker import _worker_cvar
+except ImportError:  # pragma: no cover - another distributed version
+    _worker_cvar = None
 _STOP = object()
 _PLAIN = frozenset((int, float, bool, str, bytes, type(None), torch.Tensor, torch.dtype, torch.device))
 
@@ -173,6 +180,10 @@ class StreamWorker(ReduceHandler):
 
     # ------------------------------------------------------------------------------------------- stream thread
     def _start_device(self) -> None:
+        _local.stream = self
+        worker = self.tw.worker
+        if _worker_cvar is not None and hasattr(worker, "data"):
+            _worker_cvar.set(worker)  # distributed.get_worker() in a remote function is this Dask worker
         device = self.tw.device
         pin(device)
         if device.type == "cuda":
@@ -217,6 +228,7 @@ class StreamWorker(ReduceHandler):
             DeleteRefs: self.delete_refs,
             SetRefUnitTestsOnly: self.set_ref,
             GetRefUnitTestsOnly: self.get_ref,
+            PipeRecv: self.pipe_recv,
             StatusBarrier: self.status_barrier,
             BorrowStep: self.borrow_step,
         }
@@ -445,6 +457,10 @@ class StreamWorker(ReduceHandler):
             err = self._root_error(msg.seq)
             self._store_error(msg.mutates, err)
             self.tw.report(FetchResult(msg.seq, error=err.error))
+
+    def pipe_recv(self, msg) -> None:
+        """``PipeRecv``: the next batch of a pipe into ``msg.results`` (``worker/pipe.py``: ``recv``)."""
+        pipe.recv(self, msg)
 
     def borrow_step(self, step: BorrowStep) -> None:
         """A step of a borrow (``Borrow.lend``, ``first_use``, ``last_use``, ``drop``; ``worker/borrow.py``)."""

@@ -62,6 +62,7 @@ from .errors import FatalError, NotImplementedYet
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
 from .process_group import ProcessGroups, unregister, wrap
+from . import exports, pipe
 from .recording import Definitions
 from .send_tensor import Exchange, Take, plan
 from .stream import StatusBarrier, StreamSegment, StreamWorker
@@ -165,7 +166,7 @@ class TensorWorker:
             SendValue: self.send_value,
             SendResultOfActorCall: self.send_result_of_actor_call,
             CallActorMethod: self.call_actor_method,
-            PipeRecv: self.not_implemented,
+            PipeRecv: self.pipe_recv,
             Exit: self.exit,
             DefineRecording: self.define_recording,
             RecordingFormal: self.recording_formal,
@@ -314,6 +315,8 @@ class TensorWorker:
         self.inbox.close()
         for mesh in list(self.device_meshes.values()):
             mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
+        pipe.release_session(self.session_id)
+        exports.release_session(self.session_id)
         self.streams = {}
         self.device_meshes = {}
         self.borrows = {}
@@ -423,6 +426,11 @@ class TensorWorker:
 
     def reduce(self, msg: Reduce) -> None:
         stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, "Reduce")
+        stream.enqueue(msg)
+
+    def pipe_recv(self, msg: PipeRecv) -> None:
+        """The next batch of a pipe, on its stream (``worker/pipe.py``; DESIGN.md "Decisions": pipes)."""
+        stream = self.streams.get(msg.stream.id) or self._stream(msg.stream, f"PipeRecv seq {msg.seq}")
         stream.enqueue(msg)
 
     def command_group(self, msg: CommandGroup) -> None:

@@ -1,0 +1,304 @@
+"""Dask collections into and out of a mesh: ``from_dask``, ``to_dask``, ``to_dask_dataframe`` (issue 15;
+DESIGN.md "Decisions": ``from_dask`` / ``to_dask`` move Dask arrays and data frames in place, nothing through the
+controller).
+
+Into the mesh, the controller only plans: it persists the collection, learns each partition's row count and
+holder (``Client.who_has``), and submits one ``assemble`` task per rank pinned to that rank's worker
+(``workers=[address]``, ``allow_other_workers=False``), whose inputs are the partitions (or the pieces of them a
+``rows`` task cut on their holder): Dask itself moves what is held elsewhere worker to worker, and a partition
+already on the rank's worker does not move. A ``CallFunction`` of ``take_block`` then makes the block a tensor
+out of the worker's Dask data. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in the
+mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import torch
+from distributed import futures_of, wait
+
+from ..controller.mesh import DeviceMesh
+from ..controller.remote import call_on_mesh, function_of
+from ..controller.tensor import Tensor
+from ..worker.exports import RawRef
+from .tasks import TORCH_DTYPES, assemble, frame, numpy_dtype_of, rows, take_export
+
+__all__ = ["from_dask", "to_dask", "to_dask_dataframe", "partitions_of", "mesh_dim"]
+
+_TAKE_BLOCK = function_of("dask_monarch.data.tasks.take_block")
+_EXPORT = function_of("dask_monarch.worker.exports.export")
+
+
+def mesh_dim(mesh: DeviceMesh, dim, what: str) -> str:
+    """``dim``, checked against ``mesh``; None means the mesh's only dimension."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: mesh must be a dask_monarch DeviceMesh, got {type(mesh).__name__}")
+    if dim is None:
+        if len(mesh.names) != 1:
+            raise ValueError(f"{what}: the mesh has dimensions {list(mesh.names)}; name one with dim=")
+        return mesh.names[0]
+    if dim not in mesh.names:
+        raise KeyError(f"{what}: dim {dim!r} is not a dimension of the mesh; its dimensions are {list(mesh.names)}")
+    return dim
+
+
+def _is_array(collection) -> bool:
+    import dask.array as da
+
+    return isinstance(collection, da.Array)
+
+
+def _is_dataframe(collection) -> bool:
+    import dask.dataframe as dd
+
+    return isinstance(collection, dd.DataFrame)
+
+
+def frame_columns(frame, columns, what: str) -> list:
+    """The columns to take from a Dask DataFrame: ``columns`` (each checked: present, numeric or bool) or, if
+    None, every numeric or bool column in order. Raises ``KeyError``/``TypeError`` naming the column."""
+    import pandas as pd
+
+    dtypes = frame.dtypes
+    if columns is None:
+        chosen = [c for c in frame.columns if pd.api.types.is_numeric_dtype(dtypes[c])]
+        if not chosen:
+            raise TypeError(f"{what}: the DataFrame has no numeric columns ({dict(dtypes.astype(str))}); name some "
+                            "with columns=")
+        return chosen
+    if isinstance(columns, str):
+        columns = [columns]
+    columns = list(columns)
+    for c in columns:
+        if c not in frame.columns:
+            raise KeyError(f"{what}: column {c!r} is not in the DataFrame; its columns are {list(frame.columns)}")
+        if not pd.api.types.is_numeric_dtype(dtypes[c]):
+            raise TypeError(f"{what}: column {c!r} has dtype {dtypes[c]}, which has no torch dtype (numeric and "
+                            "bool columns only)")
+    return columns
+
+
+def column_dtype(frame, columns, dtype, what: str) -> np.dtype:
+    """The numpy dtype of the tensor made of ``columns``: ``dtype`` (a torch dtype) if given, else the columns'
+    common numpy type (``numpy.result_type``; a nullable pandas dtype counts as its numpy dtype)."""
+    if dtype is not None:
+        return torch_to_numpy(dtype, what)
+    kinds = [np.dtype(getattr(frame.dtypes[c], "numpy_dtype", frame.dtypes[c])) for c in columns]
+    result = np.result_type(*kinds)
+    if result not in TORCH_DTYPES:
+        raise TypeError(f"{what}: columns {columns} have the common dtype {result}, which has no torch dtype")
+    return result
+
+
+def torch_to_numpy(dtype, what: str) -> np.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: dtype must be a torch.dtype, got {dtype!r}")
+    try:
+        return numpy_dtype_of(dtype)
+    except TypeError as e:
+        raise TypeError(f"{what}: {e}") from None
+
+
+def partitions_of(collection, client, what: str, timeout: float):
+    """``(persisted, futures, row_counts)``: the collection persisted on the cluster (a no-op for one already
+    persisted), its partitions' futures in row order, and their row counts (from the array's chunks, or a
+    ``len`` task per partition on its holder: only the counts reach the controller). Raises the first
+    partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
+    persisted = client.persist(collection)
+    futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
+    done, pending = wait(futures, timeout=timeout, return_when="ALL_COMPLETED") if futures else ((), ())
+    if pending:
+        raise TimeoutError(f"{what}: {len(pending)} of {len(futures)} partitions were not computed within {timeout} s")
+    for f in futures:
+        if f.status == "error":
+            f.result()  # raises the partition's own error
+    if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
+        counts = list(persisted.chunks[0])
+    else:
+        counts = client.gather(client.map(len, futures, pure=False))
+    return persisted, futures, [int(c) for c in counts]
+
+
+def _ranks_along(mesh: DeviceMesh, dim: str) -> dict:
+    """Global rank -> its coordinate along ``dim``."""
+    axis = mesh.names.index(dim)
+    return {r: mesh.processes.coordinates(r)[axis] for r in mesh._rank_list}
+
+
+def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
+              drop_remainder: bool = False, timeout: float = 300.0) -> Tensor:
+    """A remote ``Tensor`` holding ``collection``'s rows, sharded along mesh dimension ``dim`` (issue 15).
+
+    ``collection`` is a ``dask.array.Array`` (rows along axis 0; chunks along other axes are merged first) or a
+    ``dask.dataframe.DataFrame`` (its numeric and bool columns, or ``columns``, as a 2-D ``rows x columns``
+    tensor). With N rows and S ranks along ``dim``, the rank at position i of ``dim`` holds rows
+    ``[i * N // S, (i + 1) * N // S)`` (replicated over the mesh's other dimensions): every rank's tensor has
+    shape ``(N // S, *rest)``. N must divide by S (``ValueError`` naming both), unless ``drop_remainder=True``
+    drops the last ``N % S`` rows. dtype: the array's, or the columns' common numpy dtype (``dtype=`` a torch
+    dtype casts); one torch lacks (strings, datetimes, objects) raises ``TypeError`` naming the column.
+
+    Nothing passes through the controller: partitions Dask already holds on a rank's worker are taken there; others
+    move worker to worker (Dask's own transfers). The collection is persisted (computed on the cluster) first;
+    the tensor owns its memory (a copy of Dask's chunks, made on the rank's worker). Raises the collection's own
+    errors, and ``TimeoutError`` if Dask has not placed the rows within ``timeout`` seconds.
+    """
+    what = "from_dask"
+    dim = mesh_dim(mesh, dim, what)
+    client = mesh.client
+    if _is_array(collection):
+        if columns is not None:
+            raise TypeError(f"{what}: columns= is for DataFrames; got a dask array")
+        if collection.ndim == 0:
+            raise ValueError(f"{what}: a 0-d array has no rows")
+        if any(len(c) > 1 for c in collection.chunks[1:]):
+            collection = collection.rechunk({axis: -1 for axis in range(1, collection.ndim)})
+        np_dtype = torch_to_numpy(dtype, what) if dtype is not None else np.dtype(collection.dtype)
+        if np_dtype not in TORCH_DTYPES:
+            raise TypeError(f"{what}: the array's dtype {np_dtype} has no torch dtype")
+        rest = tuple(int(s) for s in collection.shape[1:])
+        columns_sent = None
+    elif _is_dataframe(collection):
+        columns_sent = frame_columns(collection, columns, what)
+        np_dtype = column_dtype(collection, columns_sent, dtype, what)
+        rest = (len(columns_sent),)
+    else:
+        raise TypeError(f"{what}: expected a dask.array.Array or a dask.dataframe.DataFrame, got "
+                        f"{type(collection).__module__}.{type(collection).__name__}")
+    _, futures, counts = partitions_of(collection, client, what, timeout)
+    total = sum(counts)
+    size = mesh.size(dim)
+    if total % size and not drop_remainder:
+        raise ValueError(
+            f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
+            f"drop_remainder=True to drop the last {total % size} rows, or give the collection a multiple of {size}"
+        )
+    per_rank = total // size
+    if per_rank == 0:
+        raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
+    holders = client.who_has(futures)
+    token = uuid.uuid4().hex[:12]
+    pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for position in range(size):
+        lo, hi = position * per_rank, (position + 1) * per_rank
+        pieces = []
+        for j, future in enumerate(futures):
+            a, b = max(lo, starts[j]), min(hi, starts[j + 1])
+            if a >= b:
+                continue
+            a, b = int(a - starts[j]), int(b - starts[j])
+            if (a, b) == (0, counts[j]):
+                pieces.append(future)
+            else:
+                where = list(holders.get(future.key, ())) or None
+                pieces.append(client.submit(rows, future, a, b, workers=where,
+                                            allow_other_workers=True, pure=False,
+                                            key=f"monarch-from_dask-rows-{token}-{position}-{j}"))
+        pieces_of[position] = pieces
+    positions = _ranks_along(mesh, dim)
+    workers = mesh.workers
+    blocks = {}
+    for rank, position in positions.items():
+        blocks[rank] = client.submit(assemble, pieces_of[position], columns_sent, np_dtype, workers=[workers[rank]],
+                                     allow_other_workers=False, pure=False,
+                                     key=f"monarch-from_dask-{token}-{rank}")
+    done, pending = wait(list(blocks.values()), timeout=timeout)
+    if pending:
+        late = sorted(r for r, f in blocks.items() if f in pending)
+        raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within {timeout} s")
+    for rank, f in blocks.items():
+        if f.status == "error":
+            f.result()
+    keys = {rank: f.key for rank, f in blocks.items()}
+    torch_dtype = TORCH_DTYPES[np_dtype]
+    shape = (per_rank, *rest)
+
+    def shapes(mesh, keys):
+        return torch.empty(shape, dtype=torch_dtype)
+
+    tensor = call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, keys), {}, mesh=mesh)
+    mesh._session.sync("from_dask").result(timeout=timeout)  # every rank took its block: Dask may let go of it
+    del blocks, pieces_of
+    return tensor
+
+
+def _no_tensors(*args, **kwargs):
+    return None
+
+
+def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
+    """A ``dask.array.Array`` whose chunks are ``tensor``'s shards along mesh dimension ``dim``, in order: chunk i
+    is the tensor of the rank at position i of ``dim`` (coordinate 0 of the other dimensions), so the array has
+    shape ``(S * tensor.shape[0], *tensor.shape[1:])`` for S ranks along ``dim``, and the numpy dtype of
+    ``tensor.dtype`` (``TypeError`` for bfloat16 and others numpy lacks: cast first).
+
+    Each chunk is a snapshot taken in the mesh's order (a ``CallFunction`` at this point of the program): later
+    mesh work, in-place updates of ``tensor`` included, does not change it. It is made on, and held by Dask on, the
+    worker of its rank (a Dask future; nothing passes through the controller) and lives as long as the array
+    (or what was computed from it) is referenced, also after the session ends, while the mesh's client is open.
+    A shard that cannot be taken (its computation failed) fails the chunk's task with that error when the
+    array is computed; ``timeout`` bounds each task's wait for its snapshot.
+    """
+    import dask.array as da
+
+    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, "to_dask")
+    return da.concatenate([da.from_delayed(f, shape=shape, dtype=np_dtype) for f in futures], axis=0)
+
+
+def _shard_futures(tensor, dim, timeout: float, what: str):
+    """``(shard shape, numpy dtype, futures)``: the ``take_export`` tasks of ``tensor``'s shards along ``dim``."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
+    tensor.check_usable()
+    mesh = tensor.mesh
+    dim = mesh_dim(mesh, dim, what)
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: a 0-d tensor has no rows to shard; reshape it to (1,) first")
+    np_dtype = torch_to_numpy(tensor.dtype, what)
+    session = mesh._session
+    others = {d: 0 for d in mesh.names if d != dim}
+    ranks = list(mesh.slice(**others)._rank_list) if others else list(mesh._rank_list)
+    token = uuid.uuid4().hex[:12]
+    with tensor.stream.activate():
+        call_on_mesh(_EXPORT, "to_dask", _no_tensors, (token, mesh, RawRef(tensor.ref.id), ranks), {}, mesh=mesh)
+    session.flush()
+    client = mesh.client
+    workers = mesh.workers
+    futures = [
+        client.submit(take_export, session.id, token, rank, timeout, workers=[workers[rank]],
+                      allow_other_workers=False, pure=False, key=f"monarch-{what}-{token}-{position}")
+        for position, rank in enumerate(ranks)
+    ]
+    return tuple(tensor.shape), np_dtype, futures
+
+
+def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, timeout: float = 300.0):
+    """A ``dask.dataframe.DataFrame`` of ``tensor`` (1-D: one column; 2-D: one column per tensor column) whose
+    partitions are the shards along ``dim``, made as ``to_dask`` makes its chunks (the same snapshot rule;
+    each partition is built on the worker holding its shard, nothing through the controller). ``columns`` names
+    the columns (default ``"0"``, ``"1"``, ...; ``ValueError`` if the count differs from the tensor's columns).
+    The index runs 0 .. N-1 over the partitions in order."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    what = "to_dask_dataframe"
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
+    if tensor.dim() not in (1, 2):
+        raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {list(tensor.shape)}")
+    width = 1 if tensor.dim() == 1 else tensor.shape[1]
+    if columns is None:
+        columns = [str(i) for i in range(width)]
+    elif isinstance(columns, str):
+        columns = [columns]
+    columns = list(columns)
+    if len(columns) != width:
+        raise ValueError(f"{what}: {len(columns)} column names {columns} for a tensor of {width} columns")
+    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, what)
+    rows = shape[0]
+    client = tensor.mesh.client
+    frames = [client.submit(frame, f, columns, i * rows, pure=False, key=f"{f.key}-frame") for i, f in enumerate(futures)]
+    meta = pd.DataFrame({c: np.empty(0, dtype=np_dtype) for c in columns})
+    return dd.from_delayed(frames, meta=meta, divisions=[i * rows for i in range(len(frames))] + [len(frames) * rows - 1])

@@ -1,0 +1,153 @@
+"""What the Dask workers run for ``dask_monarch.data``: Dask tasks (pinned to a rank's worker by the controller,
+so Dask moves their inputs worker to worker, never through the controller) and the remote functions a mesh's
+streams call. Nothing here imports the controller.
+
+* from_dask: ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
+  rows as one numpy array, on the rank's worker), then the remote function ``take_block`` (the block out of the
+  worker's Dask data, as a tensor).
+* to_dask: the remote function ``dask_monarch.worker.exports.export`` (a snapshot in the mesh's order), then
+  ``take_export`` (the snapshot as the task's result, held by Dask on that worker).
+* pipes: ``feed_partition`` (a partition into the rank's ``CollectionSource``, ``worker/pipe.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+__all__ = ["TORCH_DTYPES", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
+           "feed_partition", "frame", "nrows"]
+
+#: numpy dtype -> torch dtype (what ``torch.from_numpy`` accepts)
+TORCH_DTYPES = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.uint16): torch.uint16,
+    np.dtype(np.uint32): torch.uint32,
+    np.dtype(np.uint64): torch.uint64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.complex64): torch.complex64,
+    np.dtype(np.complex128): torch.complex128,
+}
+_NUMPY_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of torch ``dtype``; ``TypeError`` for one numpy lacks (bfloat16, float8, ...)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"{dtype} has no numpy dtype, so no Dask array can hold it; cast the tensor first "
+                        "(e.g. t.float())") from None
+
+
+def nrows(part) -> int:
+    """The number of rows of a partition (a numpy array or a pandas DataFrame)."""
+    return len(part)
+
+
+def rows(part, start: int, stop: int):
+    """Rows ``start:stop`` of a partition, on the worker that holds it (only that piece then moves)."""
+    return part[start:stop] if isinstance(part, np.ndarray) else part.iloc[start:stop]
+
+
+def to_numpy(part, columns, dtype: np.dtype) -> np.ndarray:
+    """A partition as a numpy array of ``dtype``: a pandas DataFrame's ``columns`` as a 2-D array (rows x
+    columns), or a numpy chunk as it is. A column that does not convert (missing values in an integer column,
+    strings) raises ``TypeError`` naming it."""
+    if columns is None:
+        return np.asarray(part, dtype=dtype)
+    out = np.empty((len(part), len(columns)), dtype=dtype)
+    for i, name in enumerate(columns):
+        try:
+            out[:, i] = part[name].to_numpy(dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"column {name!r} (dtype {part[name].dtype}) does not convert to {dtype}: {e}") from None
+    return out
+
+
+def assemble(pieces: list, columns, dtype: np.dtype) -> np.ndarray:
+    """A rank's block: its ``pieces`` (partitions or parts of them, in row order, already moved here by Dask)
+    as one new numpy array of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may
+    write into what it holds)."""
+    arrays = [to_numpy(p, columns, dtype) for p in pieces]
+    if len(arrays) == 1:
+        return np.array(arrays[0], dtype=dtype, copy=True, order="C")
+    return np.ascontiguousarray(np.concatenate(arrays, axis=0))
+
+
+def take_block(mesh, keys: dict):
+    """On a stream's thread: this rank's block, the result of its ``assemble`` task in this worker's Dask data
+    (``distributed.get_worker().data``), as a tensor sharing its memory (``torch.from_numpy``). ``keys`` maps
+    each global rank to the key of its block."""
+    from distributed import get_worker
+
+    key = keys[mesh.me]
+    data = get_worker().data
+    try:
+        array = data[key]
+    except KeyError:
+        raise RuntimeError(f"from_dask: the block {key!r} of rank {mesh.me} is not in this worker's Dask data "
+                           "(it was released before the mesh took it)") from None
+    return torch.from_numpy(array)
+
+
+async def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
+    """The snapshot ``dask_monarch.worker.exports.export`` makes of rank ``rank``'s shard, waited for on the
+    worker's event loop for at most ``timeout`` seconds (``TimeoutError`` naming the rank)."""
+    from ..worker import exports
+
+    future = exports.slot(session_id, token, rank)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"to_dask: rank {rank} made no snapshot within {timeout} s (is the mesh still running? "
+                           "the tensor's stream may be blocked)") from None
+    finally:
+        exports.take(session_id, token, rank)
+
+
+def frame(chunk: np.ndarray, columns: list, start: int):
+    """A shard (a numpy chunk from ``take_export``) as a pandas DataFrame with ``columns`` and the index
+    ``start, start + 1, ...`` (run where Dask holds the chunk: it depends on that one chunk only)."""
+    import pandas as pd
+
+    values = chunk.reshape(len(chunk), -1)
+    return pd.DataFrame(values, columns=columns, index=pd.RangeIndex(start, start + len(chunk)))
+
+
+def feed_partition(session_id: str, token: str, index: int, part, columns, dtype, label, label_dtype) -> int:
+    """Hand partition ``part`` to the pipe ``token`` of ``session_id`` on this worker as its ``index``-th: a
+    tuple of tensors (features as ``dtype``, then the ``label`` column as ``label_dtype`` if given). A partition
+    that does not convert is handed over as its error, for the ``recv`` that reaches it. Returns its rows."""
+    from distributed import get_worker
+
+    from ..worker import pipe
+    from ..worker.plugin import PLUGIN_NAME
+
+    plugin = get_worker().plugins.get(PLUGIN_NAME)
+    if plugin is None or session_id not in plugin.sessions:
+        return 0  # the session ended here: nothing to feed
+    source = pipe.collection_source(session_id, token)
+    try:
+        array = to_numpy(part, columns, dtype)
+        if columns is None:  # a chunk of a Dask array: a copy, never Dask's own memory
+            array = np.array(array, copy=True, order="C")
+        x = torch.from_numpy(array)
+        if label is None:
+            value = (x,)
+        else:
+            value = (x, torch.from_numpy(np.array(part[label].to_numpy(dtype=label_dtype), copy=True)))
+    except Exception as e:
+        source.put(index, error=f"partition {index} of this rank: {type(e).__name__}: {e}")
+        return 0
+    source.put(index, value)
+    return len(x)

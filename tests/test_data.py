@@ -1,0 +1,247 @@
+"""Dask collections into and out of the mesh, and pipes (issue 15; DESIGN.md "Decisions": ``from_dask`` /
+``to_dask`` in place, nothing through the controller; ``PipeRecv`` as a data feed from Dask).
+
+A real two-worker ``LocalCluster`` (the ``client2`` fixture) and real gloo; locality is read from Dask's own
+record of worker-to-worker transfers (``Worker.transfer_incoming_log``).
+"""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from distributed import default_client, futures_of, wait
+
+import dask_monarch as dm
+
+TIMEOUT = 60
+
+
+def fetch(obj, **coords):
+    return dm.fetch_shard(obj, **coords).result(timeout=TIMEOUT)
+
+
+@pytest.fixture
+def mesh(client2):
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    yield mesh
+    if not mesh._session.closed:
+        try:
+            mesh.exit()
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("dtype,chunks", [
+    (np.float32, (3, 2)),       # even chunks, one chunk column
+    (np.int64, (5, 1)),         # uneven chunks cut across the ranks' blocks, and chunked along axis 1 too
+    (np.bool_, (12, 2)),        # one chunk: both ranks cut from it
+    (np.float16, (1, 2)),
+    (np.uint8, (4, 2)),
+])
+def test_array_round_trip(mesh, dtype, chunks):
+    data = (np.arange(24).reshape(12, 2) % 7).astype(dtype)
+    t = dm.from_dask(da.from_array(data, chunks=chunks), mesh)
+    assert tuple(t.shape) == (6, 2) and t.dtype == torch.from_numpy(data).dtype
+    assert np.array_equal(fetch(t, dp=0).numpy(), data[:6])
+    assert np.array_equal(fetch(t, dp=1).numpy(), data[6:])
+    back = dm.to_dask(t)
+    assert back.chunks == ((6, 6), (2,))
+    assert np.array_equal(back.compute(), data)
+
+
+def test_dataframe_round_trip_columns_and_dtypes(mesh, tmp_path):
+    df = pd.DataFrame({"i": np.arange(8, dtype=np.int32), "f": np.arange(8) / 4, "s": list("abcdefgh"),
+                       "b": np.arange(8) % 2 == 0})
+    ddf = dd.from_pandas(df, npartitions=3)
+    t = dm.from_dask(ddf, mesh)  # numeric and bool columns: i, f, b -> float64
+    assert tuple(t.shape) == (4, 3) and t.dtype == torch.float64
+    expected = df[["i", "f", "b"]].to_numpy(dtype=np.float64)
+    assert np.array_equal(fetch(t, dp=1).numpy(), expected[4:])
+    t32 = dm.from_dask(ddf, mesh, columns=["f"], dtype=torch.float32)
+    assert tuple(t32.shape) == (4, 1) and t32.dtype == torch.float32
+    out = dm.to_dask_dataframe(t, columns=["i", "f", "b"])
+    assert list(out.columns) == ["i", "f", "b"]
+    out.to_parquet(str(tmp_path / "out"))
+    read = pd.read_parquet(tmp_path / "out").sort_index()
+    assert np.array_equal(read.to_numpy(), expected)
+
+
+def test_bad_input_names_the_field(mesh):
+    ddf = dd.from_pandas(pd.DataFrame({"x": [1.0, 2.0], "s": ["a", "b"]}), npartitions=1)
+    with pytest.raises(TypeError, match="column 's' has dtype"):
+        dm.from_dask(ddf, mesh, columns=["x", "s"])
+    with pytest.raises(KeyError, match="column 'nope'"):
+        dm.from_dask(ddf, mesh, columns=["nope"])
+    with pytest.raises(KeyError, match="dim 'tp'"):
+        dm.from_dask(ddf, mesh, "tp")
+    with pytest.raises(TypeError, match="datetime64"):
+        dm.from_dask(da.from_array(np.array(["2020-01-01"] * 4, dtype="datetime64[D]")), mesh)
+    with pytest.raises(TypeError, match="expected a dask.array"):
+        dm.from_dask(np.zeros(4), mesh)
+    with mesh.activate():
+        t = torch.zeros(2, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        dm.to_dask(t)
+
+
+def test_uneven_rows_error_or_drop_remainder(mesh):
+    x = da.arange(7, chunks=3)
+    with pytest.raises(ValueError, match="7 rows do not split evenly over the 2 ranks of dimension 'dp'"):
+        dm.from_dask(x, mesh)
+    t = dm.from_dask(x, mesh, drop_remainder=True)
+    assert fetch(t, dp=1).tolist() == [3, 4, 5]
+
+
+def test_replicated_over_other_dims(client2):
+    with dm.attach(client2, dims={"dp": 1, "tp": 2}, comm_timeout=60) as mesh:
+        t = dm.from_dask(da.arange(6, chunks=2), mesh, "dp")
+        assert fetch(t, dp=0, tp=0).tolist() == fetch(t, dp=0, tp=1).tolist() == list(range(6))
+
+
+# --------------------------------------------------------------------------------------------------- locality
+def test_a_chunk_on_its_ranks_worker_does_not_move(mesh, client2):
+    """Four chunks of 3 rows: 0, 1 and 3 made on rank 0's worker, 2 on rank 1's. Rank 0's rows (chunks 0, 1)
+    and chunk 2 of rank 1's stay where they are; only chunk 3 moves to rank 1's worker (Dask's own transfer)."""
+    w0, w1 = mesh.workers[0], mesh.workers[1]
+    home = [w0, w0, w1, w0]
+    futures = [client2.submit(np.full, (3, 2), float(i), workers=[w], pure=False) for i, w in enumerate(home)]
+    x = da.concatenate([da.from_delayed(f, shape=(3, 2), dtype=float) for f in futures])
+    x = client2.persist(x)
+    wait(x)
+    chunks = sorted(futures_of(x), key=lambda f: f.key[1:])
+    chunk_keys = [f.key for f in chunks]
+    held = client2.who_has(chunks)
+    assert [list(held[k]) for k in chunk_keys] == [[w] for w in home]
+    before = client2.run(lambda dask_worker: len(dask_worker.transfer_incoming_log))
+    t = dm.from_dask(x, mesh)
+    assert fetch(t, dp=1)[:, 0].tolist() == [2.0] * 3 + [3.0] * 3
+
+    def moved(dask_worker, skip):
+        return [k for entry in list(dask_worker.transfer_incoming_log)[skip:] for k in entry["keys"]]
+
+    incoming = {w: client2.run(moved, skip=before[w], workers=[w])[w] for w in (w0, w1)}
+    assert not set(incoming[w0]) & set(chunk_keys)
+    assert set(incoming[w1]) & set(chunk_keys) == {chunk_keys[3]}
+
+
+def test_with_mesh_makes_its_client_the_current_client(client2):
+    with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
+        assert default_client() is mesh.client
+        assert da.arange(4, chunks=2).sum().compute() == 6  # dask's scheduler is the mesh's cluster
+        assert futures_of(da.arange(4, chunks=2).persist())
+
+
+# ------------------------------------------------------------------------------------------------- to_dask rule
+def test_to_dask_is_a_snapshot_of_that_point(mesh):
+    with mesh.activate():
+        t = torch.arange(4.0) + 10 * mesh.rank("dp")
+    snapshot = dm.to_dask(t)
+    with mesh.activate():
+        t.add_(100)  # later mesh work: the snapshot does not see it
+        t.mul_(2)
+    assert snapshot.compute().tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert fetch(t, dp=1).tolist() == [220, 222, 224, 226]
+
+
+def test_to_dask_of_a_failed_tensor_raises_its_error(mesh):
+    def boom(x):
+        raise ValueError("no shard here")
+
+    with mesh.activate():
+        x = torch.ones(2)
+        y = dm.remote(boom, propagate=lambda x: torch.empty(2))(x)
+    with pytest.raises(RuntimeError, match="holds an error"):
+        dm.to_dask(y).compute()
+    with pytest.raises(dm.RemoteException, match="no shard here"):
+        fetch(y)
+
+
+# ------------------------------------------------------------------------------------------------------ pipes
+def test_collection_pipe_batches_and_end(mesh):
+    df = pd.DataFrame({"x": np.arange(20, dtype=np.float32), "y": np.arange(20) % 3})
+    pipe = dm.create_pipe(dd.from_pandas(df, npartitions=4), mesh, batch_size=4, label="y", prefetch=1)
+    assert len(pipe) == 2  # 10 rows per rank, full batches of 4
+    batches = []
+    with mesh.activate():
+        for xb, yb in pipe:
+            assert tuple(xb.shape) == (4, 1) and xb.dtype == torch.float32 and yb.dtype == torch.int64
+            batches.append((xb, yb))
+        with pytest.raises(StopIteration):
+            pipe.recv()
+    seen = [(fetch(xb, dp=0)[:, 0].tolist(), fetch(yb, dp=1).tolist()) for xb, yb in batches]
+    assert seen[0][0] == [0, 1, 2, 3] and seen[1][0] == [4, 5, 6, 7]
+    assert seen[0][1] == [x % 3 for x in range(10, 14)]
+    pipe.close()
+
+
+def test_collection_pipe_one_batch_per_partition(mesh):
+    x = da.arange(16, chunks=4)
+    pipe = dm.create_pipe(x, mesh)
+    assert len(pipe) == 2
+    batches = [fetch(b, dp=1).tolist() for b in pipe]
+    assert batches == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    with pytest.raises(ValueError, match="pass batch_size="):
+        dm.create_pipe(da.arange(10, chunks=4), mesh)
+
+
+def _counting(mesh, n):
+    rank = mesh.dims["dp"].rank
+    for i in range(n):
+        yield {"x": torch.full((2,), float(10 * rank + i))}
+
+
+def test_generator_pipe_and_its_end(mesh):
+    pipe = dm.create_pipe(_counting, mesh, mesh, 2)
+    with mesh.activate():
+        first = pipe.recv()
+        assert fetch(first["x"], dp=1).tolist() == [10.0, 10.0]
+        pipe.recv()
+        assert not pipe.exhausted(dp=1)
+        after = pipe.recv()  # the source has ended
+        assert pipe.exhausted(dp=1)
+    with pytest.raises(dm.RemoteException, match="StopIteration: the source of pipe"):
+        fetch(after["x"])
+    mesh.exit()  # the end is not a failure: nothing unfetched to raise
+
+
+def _raising(mesh):
+    yield torch.zeros(3)
+    raise ValueError("bad record 7 in the source")
+
+
+def test_a_source_that_raises_fails_that_recv(mesh):
+    pipe = dm.create_pipe(_raising, mesh, mesh, propagate=lambda mesh: torch.empty(3))
+    with mesh.activate():
+        ok = pipe.recv()
+        bad = pipe.recv()
+    assert fetch(ok).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(dm.RemoteException, match="bad record 7 in the source"):
+        fetch(bad)
+
+
+def _wrong_shape(mesh):
+    yield torch.zeros(3)
+    yield torch.zeros(4)
+
+
+def test_a_batch_of_other_shapes_fails_that_recv(mesh):
+    pipe = dm.create_pipe(_wrong_shape, mesh, mesh)
+    pipe.recv()
+    bad = pipe.recv()
+    with pytest.raises(dm.RemoteException, match=r"shape \[4\].*expects shape \[3\]"):
+        fetch(bad)
+
+
+def test_pipe_bad_arguments(mesh):
+    with pytest.raises(ValueError, match="prefetch"):
+        dm.create_pipe(_counting, mesh, mesh, 2, prefetch=0)
+    with pytest.raises(TypeError, match="batch_size= is for collection sources"):
+        dm.create_pipe(_counting, mesh, mesh, 2, batch_size=3)
+    with pytest.raises(KeyError, match="label column 'z'"):
+        dm.create_pipe(dd.from_pandas(pd.DataFrame({"x": [1.0, 2.0]}), npartitions=1), mesh, label="z")
