@@ -19,7 +19,6 @@ import dask_monarch as dm
 from rawmsg import ctl_messages, get_refs
 from dask_monarch.protocol import (
     ArgsKwargs,
-    BackendNetworkPointToPointInit,
     CallFunction,
     CreateDeviceMesh,
     CreateStream,
@@ -211,12 +210,6 @@ def test_second_write_to_a_result_ref_fails_the_session(mesh1, client1, worker_p
                           ArgsKwargs(([1],)), ST0, [])
     error = fails_fatally(mesh1, first, second)
     assert f"Duplicate write to reference {ref}" in str(error)
-    assert_cluster_serves(client1)
-
-
-def test_variant_not_implemented_yet_fails_the_session(mesh1, client1, worker_pids):
-    error = fails_fatally(mesh1, BackendNetworkPointToPointInit(ST0, ST0))
-    assert "not implemented yet: BackendNetworkPointToPointInit" in str(error)
     assert_cluster_serves(client1)
 
 

@@ -58,7 +58,7 @@ from .borrow import Borrow, BorrowStep
 from .comm import CommError, Comms
 from .device import pin, select_device
 from .device_mesh import DeviceMesh, MeshError
-from .errors import FatalError, NotImplementedYet
+from .errors import FatalError
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
 from .process_group import ProcessGroups, unregister, wrap
@@ -537,7 +537,3 @@ class TensorWorker:
     def get_ref_unit_tests_only(self, msg: GetRefUnitTestsOnly) -> None:
         stream = self._stream(msg.stream, "GetRefUnitTestsOnly")
         stream.enqueue(msg)
-
-    def not_implemented(self, msg) -> None:
-        """Variants a later issue implements: a clear fatal error, never a hang."""
-        raise NotImplementedYet(type(msg).__name__)
