@@ -31,7 +31,7 @@ for step in $steps; do
         digits) run digits 300 $PY examples/train_digits.py --device cuda --workers 2 ;;
         send_tests) run send_tests 420 $PY -m pytest -q -m gpu tests/test_gpu_send.py -rA -p no:cacheprovider ;;
         send) run send 300 $PY bench/send.py --device cuda ;;
-        tests1) run tests1 420 $PY -m pytest -q -m gpu tests/test_gpu_compile.py tests/test_gpu_release.py tests/test_gpu_sharing.py -rA -p no:cacheprovider ;;
+        tests1) run tests1 420 $PY -m pytest -q -m gpu tests/test_gpu_compile.py tests/test_gpu_release.py tests/test_gpu_sharing.py tests/test_gpu_dashboard.py -rA -p no:cacheprovider ;;
         compiled) run compiled 300 $PY bench/compiled.py --device cuda ;;
         train_lm_compiled) run train_lm_compiled 420 $PY bench/train_lm.py --compiled ;;
         *) echo "unknown step $step"; failed=$((failed + 1)) ;;
