@@ -134,6 +134,7 @@ def _train(mesh, cuda_graph: bool):
     eager_params, compiled_params = fetch([list(m.parameters()) for m in models])
     for a, b in zip(eager_params, compiled_params):
         assert torch.equal(a, b)
+    return compiled  # its recordings live as long as it does
 
 
 def test_compiled_training_step_on_gpu_matches_eager(mesh):
@@ -141,8 +142,9 @@ def test_compiled_training_step_on_gpu_matches_eager(mesh):
 
 
 def test_compiled_training_step_as_cuda_graph_matches_eager(mesh, gpu_client):
-    _train(mesh, cuda_graph=True)
+    compiled = _train(mesh, cuda_graph=True)  # held: dropping it deletes its recordings on the workers
     assert any(graph_calls(gpu_client, mesh.session_id))
+    del compiled
 
 
 @two_gpus
