@@ -92,6 +92,10 @@ class WorkerProcess(SubprocessWorker):
         level = self.worker_kwargs.get("silence_logs")
         if level:  # the nanny's own logs, as LocalCluster's silence_logs does for nannies in its process
             config = dask.config.merge(config, {"logging": {"distributed": logging.getLevelName(level).lower()}})
+        # at the end a nanny gives its worker 4 s to close, then kills it with a WARNING ("Worker process still
+        # alive after 4.0 seconds, killing"), seen on a loaded machine after every mesh had ended: harmless here
+        # (``close`` kills what is left anyway), and it reads like a failure of a normal exit
+        config = dask.config.merge(config, {"logging": {"distributed.nanny": "error"}})
         env = {**os.environ, "DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(config), **self.env}
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dask", "spec", self.scheduler, "--spec", spec, env=env, start_new_session=True,
