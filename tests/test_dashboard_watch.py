@@ -177,6 +177,10 @@ def test_page_health_links_and_one_session_view():
     page = MonarchPage(SimpleNamespace(plugins={}, workers={}), DashboardData(), session=T1)
     page.update()
     assert page.tables.visible is False and page.summary.text.startswith(f"Session {T1}.")
+    hostile = MonarchPage(SimpleNamespace(plugins={}, workers={}), DashboardData(),
+                          session="<img src=x onerror=alert(1)>")  # ?session= comes from any link
+    hostile.update()
+    assert "<img" not in hostile.summary.text and "&lt;img src=x" in hostile.summary.text
 
 
 def test_summary_of_a_bare_traceback_is_its_exception():

@@ -85,6 +85,13 @@ def health_html(health: list, session: str | None = None) -> str:
     return "".join(lines)
 
 
+def summary_html(view: dict, session: str | None) -> str:
+    """The summary line as HTML; ``session`` (the page's ``?session=``, any text a link may carry) is escaped."""
+    if session is None:
+        return html.escape(view["summary"])
+    return f"Session {html.escape(session)}. {html.escape(view['summary'])}"
+
+
 def stacks_html(stacks: list) -> str:
     if not stacks:
         return ("<i>No rank is stuck (busy on one message for longer than the session's "
@@ -185,7 +192,7 @@ class MonarchPage:
     def show(self, view: dict) -> None:
         """Put a ``DashboardData.update`` result on the page (only what changed is sent to the browser)."""
         view = select(view, self.session)
-        summary = view["summary"] if self.session is None else f"Session {self.session}. {view['summary']}"
+        summary = summary_html(view, self.session)
         for div, text in ((self.summary, summary), (self.health, health_html(view["health"], self.session)),
                           (self.stacks, stacks_html(view["stacks"]))):
             if div.text != text:
