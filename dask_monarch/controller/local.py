@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 
 __all__ = ["propagating", "is_propagating"]
 
@@ -19,6 +20,18 @@ _propagating: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_prop
 
 #: whether this context runs torch locally (``propagating()``)
 is_propagating = _propagating.get
+
+
+class _QuietMetaFailures(logging.Filter):
+    """Drops torch's log line for an op that fails on fake tensors ("failed while attempting to run meta for ...",
+    with its traceback) while this context propagates: the error itself reaches the caller, as torch raises it
+    locally, and the log line (about 40 lines on stderr) would come on top of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_propagating.get() and record.msg.startswith("failed while attempting to run meta"))
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietMetaFailures())
 
 
 @contextlib.contextmanager

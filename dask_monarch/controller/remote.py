@@ -305,6 +305,8 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
                 out, mutated, plan = session.propagator.run(key, shapes, fake_args, fake_kwargs,
                                                             [t._fake for t in inputs], written_inputs)
         except Exception as e:
+            if op is not None:  # a torch op: its own error, as torch gives it locally (a shape mismatch, a dtype)
+                raise
             raise _with_hint(
                 e,
                 f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
