@@ -216,7 +216,11 @@ class Session(Transport, Bookkeeping, Liveness):
 
     # ---------------------------------------------------------------------------------------------- failure
     def _fail(self, error: SessionError) -> None:
-        """Fail the session: every pending and later wait raises ``error``."""
+        """Fail the session: every pending and later wait raises ``error``. Nothing once the session has stopped
+        (``stop``): a task's answer that comes back broken while the cluster shuts down after ``mesh.exit()``
+        (e.g. "could not read rank 1's answers: ... Stream is closed") has nobody to tell."""
+        if self.closed:
+            return
         with self.lock:
             if self.failure is not None:
                 return
