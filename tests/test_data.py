@@ -88,6 +88,12 @@ def test_bad_input_names_the_field(mesh):
         t = torch.zeros(2, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16"):
         dm.to_dask(t)
+    with mesh.activate():
+        m = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"unique; \['a'\] repeated"):
+        dm.to_dask_dataframe(m, columns=["a", "a", "b"])
+    with pytest.raises(TypeError, match="got torch.Tensor .a local tensor"):
+        dm.to_dask(torch.ones(3))
 
 
 def test_uneven_rows_error_or_drop_remainder(mesh):

@@ -250,7 +250,8 @@ def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
 def _shard_futures(tensor, dim, timeout: float, what: str):
     """``(shard shape, numpy dtype, futures)``: the ``take_export`` tasks of ``tensor``'s shards along ``dim``."""
     if not isinstance(tensor, Tensor):
-        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
+                        f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
     tensor.check_usable()
     mesh = tensor.mesh
     dim = mesh_dim(mesh, dim, what)
@@ -285,7 +286,8 @@ def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, t
 
     what = "to_dask_dataframe"
     if not isinstance(tensor, Tensor):
-        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
+                        f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
     if tensor.dim() not in (1, 2):
         raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {list(tensor.shape)}")
     width = 1 if tensor.dim() == 1 else tensor.shape[1]
@@ -296,6 +298,9 @@ def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, t
     columns = list(columns)
     if len(columns) != width:
         raise ValueError(f"{what}: {len(columns)} column names {columns} for a tensor of {width} columns")
+    repeated = sorted({c for c in columns if columns.count(c) > 1}, key=str)
+    if repeated:
+        raise ValueError(f"{what}: column names must be unique; {repeated} repeated in {columns}")
     shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, what)
     rows = shape[0]
     client = tensor.mesh.client
