@@ -243,11 +243,17 @@ class Endpoint:
         mesh = self._actors.mesh
         coords = {k: kwargs.pop(k) for k in list(kwargs) if k in mesh.names}
         if not coords and len(mesh._rank_list) != 1:
+            passed = f"; {sorted(kwargs)} are not dimensions of the mesh (they go to the method)" if kwargs else ""
             raise ValueError(
                 f"call_one on actors of {len(mesh._rank_list)} ranks: give a coordinate for every dimension "
-                f"of {list(mesh.names)} (e.g. {mesh.names[0]}=0), or use call() or choose()"
+                f"of {list(mesh.names)} (e.g. {mesh.names[0]}=0), or use call() or choose(){passed}"
             )
-        return self._ask((_rank_of(mesh, coords),), args, kwargs, one=True)
+        try:
+            rank = _rank_of(mesh, coords)
+        except (IndexError, KeyError, ValueError) as e:
+            text = str(e.args[0]) if e.args else str(e)
+            raise type(e)(f"call_one: {text.removeprefix('fetch_shard: ')}") from None
+        return self._ask((rank,), args, kwargs, one=True)
 
     def choose(self, *args, **kwargs):
         """``call_one`` on the mesh's first rank (Monarch's ``choose`` picks one actor)."""
