@@ -22,7 +22,7 @@ import functools
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import RecordingResult
 from .coalescing import compiling, is_coalescing, recording_block
@@ -161,7 +161,8 @@ class Compiled:
                 return entry.call(tensors)
         if self._warm.get(key, 0) < self.warmup:
             self._warm[key] = self._warm.get(key, 0) + 1
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)  # detached as a replay's results are: every call returns alike
+            return tree_map(lambda x: x.detach() if isinstance(x, Tensor) and x.requires_grad else x, out)
         self._prune()
         entry = self._record(leaves, spec, tensors)
         self._cache.setdefault(key, []).append(entry)
