@@ -59,7 +59,7 @@ class Comms:
         self.unique_id: str | None = None
         self.world = None
         self.groups: list = []
-        self._gloo_addresses: list = []  # per group of ``groups`` on gloo: (own listening address, the peers')
+        self._gloo_addresses: list = []  # per group of ``groups`` on gloo: (own listening address, the peers', its sockets)
         self._stores: list = []
         self._lock = threading.Lock()
         #: set by ``shutdown``/``abort``: a collective still waiting gives up at once
@@ -96,6 +96,7 @@ class Comms:
                 group = dist.ProcessGroupGloo(store, group_rank, len(members), opts)
                 del opts, device
                 addresses = _exchange(store, group_rank, len(members), address)
+                addresses = (*addresses, gloo.group_sockets(*addresses))  # (own, peers, its sockets)
         except Exception as e:
             missing = [
                 members[i] for i in range(len(members)) if not store.check([f"joined/{i}"])
@@ -113,7 +114,7 @@ class Comms:
                     self._gloo_addresses.append(addresses)
         if stopped:  # the session ended while this group was being built: it is not kept
             if self.backend == "gloo":
-                gloo.shutdown_connections(*addresses)
+                _abort_gloo(addresses)
             else:
                 _quietly(group.abort)
             raise CommError(f"the {self.backend} communicator of ranks {members} was abandoned: {self.stop_reason}")
@@ -195,7 +196,7 @@ class Comms:
         for i, group in enumerate(groups):
             if self.backend == "gloo":
                 if abort:
-                    gloo.shutdown_connections(*addresses[i])
+                    _abort_gloo(addresses[i])
             else:
                 _quietly(group.abort if abort else group.shutdown)
         # the last reference is dropped by whoever holds it last (a stream thread that was waiting in one): the
@@ -362,3 +363,11 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
     except Exception as e:
         backend = group.name() if hasattr(group, "name") else type(group).__name__
         raise CommError(f"{backend} refused {reduction.value} (scatter={scatter}): {type(e).__name__}: {e}") from None
+
+
+def _abort_gloo(addresses) -> None:
+    """Shut a gloo group's connections down (``gloo.py``): those found by address now, and the sockets recorded when
+    it was built (one whose peer is already gone has no address left to be found by)."""
+    own, peers, sockets = addresses
+    gloo.shutdown_connections(own, peers)
+    gloo.shutdown_sockets(sockets)

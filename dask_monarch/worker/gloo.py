@@ -27,7 +27,7 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["create_device", "shutdown_connections"]
+__all__ = ["create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
 
 _lock = threading.Lock()  # one device at a time per process, so that a new listening socket is that device's
 
@@ -119,6 +119,60 @@ def shutdown_connections(own, peers) -> int:
         listening, local, remote, dup = info
         try:
             if not listening and remote is not None and (local == own or remote in peers):
+                dup.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return count
+
+
+def _identity(fd: int) -> str | None:
+    """What descriptor ``fd`` refers to now (``socket:[inode]`` on Linux), or None."""
+    path = _fd_dir()
+    if path != "/proc/self/fd":
+        return None
+    try:
+        return os.readlink(f"{path}/{fd}")
+    except OSError:
+        return None
+
+
+def group_sockets(own, peers) -> list[tuple[int, str]]:
+    """The connected sockets of one gloo group, found as ``shutdown_connections`` finds them, as ``(fd, identity)``
+    pairs, taken right after the group is built (gloo connects every pair then). ``shutdown_sockets`` shuts them
+    down later even once their peer is gone: a socket whose peer reset it has no remote address left, so
+    ``shutdown_connections`` no longer recognizes it, while an op posted on it may wait until the group's
+    timeout. Linux only (elsewhere empty)."""
+    peers = {tuple(p) for p in peers if p}
+    found = []
+    for fd in _socket_fds():
+        info = _inspect(fd)
+        if info is None:
+            continue
+        listening, local, remote, dup = info
+        dup.close()
+        if not listening and remote is not None and (local == own or remote in peers):
+            identity = _identity(fd)
+            if identity is not None:
+                found.append((fd, identity))
+    return found
+
+
+def shutdown_sockets(sockets) -> int:
+    """Shut down (both ways) each ``(fd, identity)`` of ``group_sockets`` whose descriptor still refers to the same
+    socket (a descriptor closed and reused meanwhile is left alone). Returns how many were shut down."""
+    count = 0
+    for fd, identity in sockets:
+        if _identity(fd) != identity:
+            continue
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if _identity(fd) == identity:
                 dup.shutdown(socket.SHUT_RDWR)
                 count += 1
         except OSError:
