@@ -305,6 +305,13 @@ def _allreduce_options(reduction: Reduction) -> dist.AllreduceOptions:
     return opts
 
 
+def _post(comms: "Comms | None", what: str, start):
+    """Post a collective through ``comms.post`` (refused once the session stopped: an op posted on gloo
+    connections already shut down would keep the group's thread, and whoever releases the group, until
+    ``comm_timeout``), or at once without ``comms``."""
+    return start() if comms is None else comms.post(what, start)
+
+
 def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out,
            comms: Comms | None = None):
     """Run one ``Reduce`` row of spec §5 on ``group`` (``size`` ranks) and return the output tensor.
@@ -323,15 +330,17 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
                     output, src = tensor, src.clone()
                 else:
                     output = out if out is not None else torch.empty_like(src)
-                _wait(group.alltoall_base(output, src, [], []), "all-to-all", members, comms)
+                _wait(_post(comms, "all-to-all", lambda: group.alltoall_base(output, src, [], [])), "all-to-all",
+                      members, comms)
                 return output
             if in_place:
                 raise CommError("in-place, non-scatter not supported for stack reduce")
             output = out if out is not None else tensor.new_empty((size, *tensor.shape))
             if tensor.is_cuda and output.is_contiguous():  # NCCL gathers into one flat buffer
-                work = group._allgather_base(output, tensor.contiguous())
+                work = _post(comms, "all-gather", lambda: group._allgather_base(output, tensor.contiguous()))
             else:
-                work = group.allgather([list(output.unbind(0))], [tensor.contiguous()])
+                work = _post(comms, "all-gather",
+                             lambda: group.allgather([list(output.unbind(0))], [tensor.contiguous()]))
             _wait(work, "all-gather", members, comms)
             return output
         opts_op = _OPS[reduction]
@@ -342,7 +351,8 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             flat = output if output.is_contiguous() else output.contiguous()
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = opts_op
-            work = group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts)
+            work = _post(comms, "reduce-scatter",
+                         lambda: group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts))
             _wait(work, "reduce-scatter", members, comms)
             if flat is not output:
                 output.copy_(flat)
@@ -354,7 +364,8 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
         else:
             output = tensor.clone()
         dense = output if output.is_contiguous() else output.contiguous()
-        _wait(group.allreduce([dense], _allreduce_options(reduction)), "all-reduce", members, comms)
+        _wait(_post(comms, "all-reduce", lambda: group.allreduce([dense], _allreduce_options(reduction))),
+              "all-reduce", members, comms)
         if dense is not output:
             output.copy_(dense)
         return output
