@@ -34,7 +34,6 @@ import dask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..exceptions import RemoteException, SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
@@ -42,7 +41,7 @@ from .coalescing import refuse_wait
 from .fetch import _rank_of
 from .local import propagating
 from .mesh import DeviceMesh, frontend
-from .remote import _mesh_of, _with_hint, pack_leaves
+from .remote import _mesh_of, _with_hint, pack_leaves, remote_outputs
 from .stream import check_access, get_active_stream
 from .task_keys import session_tag
 from .tensor import Tensor
@@ -334,22 +333,7 @@ class Endpoint:
             mutates = session.aliases_of(written)
             results, values, new, out_spec = [], [], [], None
             if outputs:
-                by_fake = {id(t._fake): t for t in inputs}
-                out_leaves, out_spec = tree_flatten(out, is_leaf=lambda x: x is None)
-                for leaf in out_leaves:
-                    if isinstance(leaf, torch.Tensor) and id(leaf) in by_fake:  # the method returns its argument
-                        results.append(None)
-                        values.append(by_fake[id(leaf)])
-                    elif isinstance(leaf, FakeTensor):
-                        t = Tensor(session.new_ref(), leaf, mesh, stream)
-                        results.append(t.ref)
-                        values.append(t)
-                        new.append(t)
-                    elif isinstance(leaf, torch.Tensor):
-                        raise TypeError(f"propagate of {self._what} returned a real tensor; it must return fakes")
-                    else:
-                        results.append(None)
-                        values.append(leaf)
+                results, values, new, out_spec = remote_outputs(out, inputs, session, mesh, stream, self._what)
             seq = session.new_seq()
             params = ActorCallParams(seq, (actors._base, 0), [t.ref for t in inputs], [t.ref for t in mutates],
                                      stream_ref, self._method, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)))

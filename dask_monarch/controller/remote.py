@@ -318,24 +318,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
         written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written)
-        by_fake = {id(t._fake): t for t in inputs}
-        out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
-        results, values, new = [], [], []
-        for leaf in out_leaves:
-            same = by_fake.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-            if same is not None:  # the op returned its input (in place): no new ref
-                results.append(None)
-                values.append(same)
-            elif isinstance(leaf, FakeTensor):
-                t = Tensor(session.new_ref(), leaf, mesh, stream)
-                results.append(t.ref)
-                values.append(t)
-                new.append(t)
-            elif isinstance(leaf, torch.Tensor):
-                raise TypeError(f"propagate for {name} returned a real tensor; it must return fake tensors")
-            else:
-                results.append(None)
-                values.append(leaf)
+        results, values, new, out_spec = remote_outputs(out, inputs, session, mesh, stream, name)
         session.follow_default_dtype(stream_ref)
         for group in groups:  # its communicator on this stream is built on its ranks before the call
             group.ensure_split(stream_ref)
@@ -347,6 +330,32 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
         session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
     return tree_unflatten(values, out_spec)
+
+
+def remote_outputs(out, inputs: list, session, mesh, stream, name: str) -> tuple:
+    """``(result refs, values, new Tensors, spec)`` for the fake outputs ``out`` of a call with remote inputs
+    ``inputs``: each fake output becomes a new remote ``Tensor`` (its ref in ``results``), an output that is an
+    input's fake is that input itself (in place: no ref), other leaves stay as they are. ``TypeError`` for a real
+    tensor among them (``propagate`` must return fakes)."""
+    by_fake = {id(t._fake): t for t in inputs}
+    out_leaves, out_spec = tree_flatten(out, is_leaf=_is_none)
+    results, values, new = [], [], []
+    for leaf in out_leaves:
+        same = by_fake.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        if same is not None:  # the call returned its input (in place): no new ref
+            results.append(None)
+            values.append(same)
+        elif isinstance(leaf, FakeTensor):
+            t = Tensor(session.new_ref(), leaf, mesh, stream)
+            results.append(t.ref)
+            values.append(t)
+            new.append(t)
+        elif isinstance(leaf, torch.Tensor):
+            raise TypeError(f"propagate for {name} returned a real tensor; it must return fake tensors")
+        else:
+            results.append(None)
+            values.append(leaf)
+    return results, values, new, out_spec
 
 
 def written_tensors(func, args, kwargs) -> list:

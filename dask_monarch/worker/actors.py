@@ -24,7 +24,7 @@ import threading
 
 from ..protocol import CallActorMethod, FetchResult, PickledValue, WorkerError
 from .errors import DependentError, FatalError, ValueFailure
-from .stream import _leaves, _plain_tree, _to_cpu
+from .stream import _leaves, _plain_tree, _to_cpu, store_results
 
 __all__ = ["ActorCallStep", "actor_key", "find_actor"]
 
@@ -128,12 +128,7 @@ class ActorCallStep:
                     f"unexpected number of returns from actor method {params.method}, expected {len(results)}, "
                     f"got {len(leaves)} (the controller's count comes from the endpoint's propagate)"
                 )
-            env = stream.env
-            for ref, value in zip(results, leaves):
-                if ref is not None:
-                    if ref.id in env:
-                        raise FatalError(f"CallActorMethod seq {params.seq}: Duplicate write to reference {ref}")
-                    env[ref.id] = value
+            store_results(stream.env, results, leaves, f"CallActorMethod seq {params.seq}")
         except DependentError as e:
             stream._store_error(results, e.root)
             stream._store_error(params.mutates, e.root)

@@ -83,6 +83,16 @@ def _load_argument(pickled: PickledValue):
         ) from e
 
 
+def store_results(env: dict, results, leaves, what: str) -> None:
+    """Store each leaf of a call's output in its result ref (None: not kept); a ref already in ``env`` is a
+    ``FatalError`` (spec §3: "Duplicate write to reference")."""
+    for ref, value in zip(results, leaves):
+        if ref is not None:
+            if ref.id in env:
+                raise FatalError(f"{what}: Duplicate write to reference {ref}")
+            env[ref.id] = value
+
+
 def _to_cpu(value):
     """A copy of ``value`` whose tensors are detached CPU copies, safe to pickle later (spec §1 "Fetch")."""
     if isinstance(value, torch.Tensor):
@@ -394,12 +404,7 @@ class StreamWorker(ReduceHandler):
                     f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
                     f" (function {function!r})"
                 )
-            env = self.env
-            for ref, value in zip(results, leaves):
-                if ref is not None:
-                    if ref.id in env:
-                        raise FatalError(f"CallFunction seq {msg.seq}: Duplicate write to reference {ref}")
-                    env[ref.id] = value
+            store_results(self.env, results, leaves, f"CallFunction seq {msg.seq}")
         except DependentError as e:
             self._store_error(msg.results, e.root)
             self._store_error(msg.mutates, e.root)
