@@ -226,7 +226,8 @@ class Session(Transport, Bookkeeping, Liveness):
                 return
             self.failure = error
             waiters, self._waiters = self._waiters, []
-        logger.error("%s", error)
+        if getattr(self.client, "status", None) not in ("closing", "closed"):  # else the program closed its own
+            logger.error("%s", error)  # Client under the session: the workers' "controller disconnected" is no news
         for _, future, _ in waiters:
             future._set(error=error)
         self._exit_remote(str(error))
