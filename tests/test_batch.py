@@ -153,3 +153,44 @@ def test_overlapping_segment_loads_keep_the_gc_paused_until_the_last_ends():
             _gates[name][1].set()
             thread.join(30)
         gc.enable()
+
+
+_LAYOUT_RACE = """
+import pickle, sys, threading
+import torch
+import dask_monarch.protocol  # noqa: F401  (what a worker and a controller import before any session runs)
+
+blob = pickle.dumps([torch.strided, torch.sparse_coo])
+stop = False
+
+def churn():  # what an import of a torch submodule does to torch.__dict__, as fast as it can
+    i = 0
+    while not stop:
+        setattr(torch, f"_churn{i % 8}", i)
+        i += 1
+        if i % 8 == 0:
+            for j in range(8):
+                delattr(torch, f"_churn{j}")
+
+thread = threading.Thread(target=churn)
+sys.setswitchinterval(1e-6)
+thread.start()
+try:
+    print(pickle.loads(blob))
+finally:
+    stop = True
+    thread.join()
+"""
+
+
+def test_a_layout_unpickles_while_another_thread_changes_the_torch_module():
+    """The first ``torch.layout`` unpickled in a process makes torch fill a cache by iterating ``torch.__dict__``;
+    another thread importing a torch submodule meanwhile made that raise "dictionary changed size during
+    iteration", and a worker's batch (a factory's layout) failed on it in CI. Importing dask_monarch fills the cache
+    first (protocol/tensor_bytes.py). Without that, this script fails on every run."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _LAYOUT_RACE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[torch.strided, torch.sparse_coo]"

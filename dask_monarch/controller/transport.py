@@ -40,7 +40,7 @@ from ..protocol import (
     Status,
     WorkerError,
 )
-from ..protocol import batch
+from ..protocol import batch, tensor_bytes
 from ..worker.plugin import deliver_batch, deliver_batches, sync_batch, sync_batches
 from .answers import AnswerLost
 from .coalescing import HeldDelete, held_messages
@@ -53,10 +53,11 @@ logger = logging.getLogger("dask_monarch.controller")
 
 
 def dumps(messages: list) -> bytes:
-    """Pickle ``messages``; local tensors among their arguments pickle locally, not as mesh ops."""
+    """Pickle ``messages``; local tensors among their arguments pickle locally, not as mesh ops, plain CPU ones as
+    their bytes (``protocol/tensor_bytes.py``)."""
     with propagating():
         try:
-            return pickle.dumps(messages, protocol=5)
+            return tensor_bytes.dumps(messages)
         except Exception:
             return cloudpickle.dumps(messages, protocol=5)
 

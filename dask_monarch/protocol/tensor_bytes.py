@@ -4,6 +4,12 @@ Pickling a ``torch.Tensor`` the default way (its storage through ``torch.save``)
 to load, twice what the rest of a small fetch's answer costs. ``dumps`` pickles a contiguous, dense CPU tensor
 that does not require grad as ``(rebuild, (bytes, dtype, shape))`` instead, and everything else as pickle does;
 ``pickle.loads`` rebuilds it (``rebuild`` is importable on both sides).
+
+Every other tensor still unpickles through torch's own reducers, and the first ``torch.layout`` that any thread
+unpickles fills a cache by iterating ``torch.__dict__`` (``torch.serialization._get_layout``): a thread that imports
+a torch submodule meanwhile makes that iteration raise "dictionary changed size during iteration" (a worker's
+batch failed on it while a stream thread ran torch code). ``_fill_layout_cache`` fills that cache once, at import,
+before any session's threads run.
 """
 
 from __future__ import annotations
@@ -14,6 +20,17 @@ import pickle
 import torch
 
 __all__ = ["dumps", "rebuild"]
+
+
+def _fill_layout_cache() -> None:
+    import torch.serialization
+
+    get_layout = getattr(torch.serialization, "_get_layout", None)
+    if get_layout is not None and isinstance(getattr(get_layout, "cache", None), dict):
+        get_layout(str(torch.strided))
+
+
+_fill_layout_cache()
 
 
 def rebuild(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
