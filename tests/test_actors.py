@@ -359,3 +359,36 @@ def test_an_actor_call_runs_on_the_active_stream_with_that_streams_tensors(mesh)
         with side.activate():  # ordered after the push on the same stream (calls on two streams are not ordered)
             assert log.history.call().result(timeout=TIMEOUT) == [[5.0], [6.0]]
             assert dm.inspect(z, dp=1).item() == 12.0
+
+
+class Keyed:
+    def __init__(self, key, workers=None):
+        self.key, self.workers = key, workers
+
+    def get(self):
+        return (self.key, self.workers)
+
+
+def test_an_actor_method_traceback_names_the_users_file_and_line(mesh):
+    """A class the workers cannot import (a local class here, like one of ``__main__``) travels by value, as remote
+    functions do: a method's remote traceback names this file and the line of the ``raise``, not cloudpickle's
+    ``<dynamic-code>``."""
+    import inspect
+
+    class Local:
+        def fail(self):
+            raise RuntimeError("raised in the actor's file")  # the line the remote traceback must name
+
+    lines, first = inspect.getsourcelines(Local.fail)
+    line = first + next(i for i, text in enumerate(lines) if text.strip().startswith("raise"))
+    local = mesh.spawn(Local)
+    with pytest.raises(dm.RemoteException) as info:
+        local.fail.call().result(timeout=TIMEOUT)
+    assert f'File "{__file__}", line {line}, in fail' in info.value.backtrace, info.value.backtrace
+    assert "<dynamic-code>" not in info.value.backtrace
+
+
+def test_constructor_keywords_named_like_client_submits_own_reach_the_constructor(mesh):
+    """``key=`` and ``workers=`` are ``Client.submit``'s keywords too; spawn passes them to the class."""
+    keyed = mesh.spawn(Keyed, key="mine", workers=3)
+    assert keyed.get.call().result(timeout=TIMEOUT) == [("mine", 3), ("mine", 3)]

@@ -37,20 +37,18 @@ import torch
 
 from ..exceptions import RemoteException, SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
+from ..worker.actors import construct
 from .coalescing import refuse_wait
 from .fetch import _rank_of
 from .local import propagating
 from .mesh import DeviceMesh, frontend
-from .remote import _mesh_of, _with_hint, pack_leaves, remote_outputs
+from .remote import _mesh_of, _with_hint, function_of, pack_leaves, remote_outputs
 from .stream import check_access, get_active_stream
 from .task_keys import session_tag
 from .tensor import Tensor
 
 __all__ = ["ActorMesh", "Endpoint", "as_endpoint", "endpoint", "spawn"]
 
-#: ``client.submit``'s own keywords: a constructor keyword of one of these names cannot be passed through it
-_SUBMIT_KEYWORDS = frozenset(("key", "workers", "resources", "retries", "priority", "fifo_timeout",
-                              "allow_other_workers", "actor", "actors", "pure"))
 _counter = itertools.count()
 _ATTR = "__monarch_endpoint__"
 
@@ -101,9 +99,6 @@ def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
     ``DeviceMesh.spawn``."""
     if not isinstance(cls, type):
         raise TypeError(f"spawn: expected a class, got {type(cls).__name__}")
-    clash = sorted(_SUBMIT_KEYWORDS & set(kwargs))
-    if clash:
-        raise TypeError(f"spawn: constructor keywords {clash} are Client.submit's own; pass them positionally")
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, (Tensor, DeviceMesh)):
             raise TypeError(
@@ -116,11 +111,15 @@ def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
         raise RuntimeError("spawn inside a compiled function: actors cannot be recorded")
     base = f"monarch-actor-{session_tag(session.id)}-{_letters(cls.__name__)}-{next(_counter)}"
     client = session.client
+    # the class travels as remote() functions do (by path, or by value keeping its file names for tracebacks),
+    # and the constructor's arguments as a tuple and a dict, so no keyword of the class clashes with submit's own
+    cls_function = function_of(cls)
     futures = {}
     try:
         for rank in mesh._rank_list:
-            futures[rank] = client.submit(cls, *args, key=f"{base}-{rank}", workers=[session.workers[rank]],
-                                          allow_other_workers=False, actor=True, pure=False, **kwargs)
+            futures[rank] = client.submit(construct, cls_function, args, kwargs, key=f"{base}-{rank}",
+                                          workers=[session.workers[rank]], allow_other_workers=False, actor=True,
+                                          pure=False)
             session.actor_futures.append(futures[rank])
         _wait_constructed(session, cls, futures)
         proxies = [futures[rank].result() for rank in mesh._rank_list]

@@ -1,7 +1,8 @@
 """Actor calls on a stream: ``SendResultOfActorCall`` and ``CallActorMethod`` (spec §2 "Other variants", §3;
 seed ``worker.rs``; DESIGN.md "Decisions": they call Dask actors living on the mesh's workers).
 
-``mesh.spawn`` creates one Dask actor per rank (``client.submit(cls, actor=True, workers=[address])``), whose key
+``mesh.spawn`` creates one Dask actor per rank (``client.submit(construct, cls, args, kwargs, actor=True,
+workers=[address])``: ``construct`` returns the instance, which Dask keeps as the actor), whose key
 is ``f"{base}-{rank}"``; the instance lives in the Dask worker's ``worker.state.actors``. A call reaches the
 tensor worker as a message like any other; the dispatcher queues an ``ActorCallStep`` on the call's stream, and
 the stream's thread, in the stream's order (after every message queued before it, before every message queued
@@ -22,13 +23,20 @@ import asyncio
 import inspect
 import threading
 
-from ..protocol import CallActorMethod, FetchResult, PickledValue, WorkerError
+from ..protocol import CallActorMethod, FetchResult, PickledValue, ResolvableFunction, WorkerError, resolve_function
 from .errors import DependentError, FatalError, ValueFailure
 from .stream import _leaves, _plain_tree, _to_cpu, store_results
 
-__all__ = ["ActorCallStep", "actor_key", "find_actor"]
+__all__ = ["ActorCallStep", "actor_key", "construct", "find_actor"]
 
 _LOCKS_GUARD = threading.Lock()
+
+
+def construct(cls: ResolvableFunction, args: tuple, kwargs: dict):
+    """``cls(*args, **kwargs)``, run by Dask as the actor task of ``mesh.spawn`` on one rank's worker; ``cls`` is
+    resolved as a remote function is (spec §2 "Function paths": by path, or cloudpickled by value with its file
+    names, so that a method's traceback names the user's file and line)."""
+    return resolve_function(cls)(*args, **kwargs)
 
 
 def actor_key(broker_id: tuple, rank: int) -> str:
