@@ -233,10 +233,16 @@ class Session(Transport, Bookkeeping, Liveness):
         self._exit_remote(str(error))
         # and through the scheduler: fail rendezvous still waiting in this session, and end it on every worker
         # around its inbox (a rank building a communicator with a lost peer does not read its inbox)
+        scheduler, reason = self.client.scheduler, str(error)[:2000]
+
+        async def close_on_scheduler():
+            try:
+                await scheduler.monarch_session_close(session_id=self.id, reason=reason)
+            except Exception:  # the Client closed meanwhile (its connection pool refuses): nothing left to tell
+                pass
+
         try:
-            self.client.loop.add_callback(
-                self.client.scheduler.monarch_session_close, session_id=self.id, reason=str(error)[:2000]
-            )
+            self.client.loop.add_callback(close_on_scheduler)
         except Exception:
             pass
 
