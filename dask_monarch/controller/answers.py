@@ -61,7 +61,12 @@ class Answers:
         self._done.add(future)
 
     def put_chunk(self, rank: int, blob: bytes) -> None:
-        """An answer chunk of rank ``rank`` came on its channel (``channel.py``; on the event loop)."""
+        """An answer chunk of rank ``rank`` came on its channel (``channel.py``; on the event loop). Applied right
+        here when that is cheap (``Session._chunk_inline``), else by this thread, in order after those queued."""
+        if not self._chunks:
+            blob = self._session._chunk_inline(rank, blob)
+            if blob is None:
+                return
         self._chunks.append((rank, blob))
         with self._wake:
             self._wake.notify()
