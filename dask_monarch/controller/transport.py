@@ -327,10 +327,11 @@ class Transport:
 
     def _chunk_inline(self, rank: int, blob: bytes):
         """Apply a channel's answer chunk right here on the event loop when that is cheap and cannot wait on anything
-        (``Answers.put_chunk``): a chunk of at most ``INLINE_CHUNK`` bytes, without ``SessionFailed`` (naming
-        who left asks the scheduler) or a separately pickled fetched value (its class may import a module), when
-        the session lock is free now. Returns None if applied, else what the answers thread is to apply (the
-        unpickled ``(chunk, messages)``, or ``blob`` itself)."""
+        (``Answers.put_chunk``): a chunk of at most ``INLINE_CHUNK`` bytes of ``Status`` and ``FetchResult`` answers
+        only (not ``SessionFailed``, whose report asks the scheduler who left, nor a failure, which marks every
+        user of the failed seq; nor a separately pickled fetched value, whose class may import a module), when the
+        session lock is free now (a thread holding it may be waiting for this event loop). Returns None if applied,
+        else what the answers thread is to apply (the unpickled ``(chunk, messages)``, or ``blob`` itself)."""
         if len(blob) > self.INLINE_CHUNK:
             return blob
         try:
@@ -342,9 +343,9 @@ class Transport:
             return decoded
         for m in messages:
             kind = type(m)
-            if kind is SessionFailed or (kind is FetchResult and type(m.value) is PickledValue):
+            if kind is not Status and (kind is not FetchResult or type(m.value) is PickledValue):
                 return decoded
-        if not self.lock.acquire(blocking=False):  # held by a thread that may be waiting for this event loop
+        if not self.lock.acquire(blocking=False):
             return decoded
         try:
             if chunk >= self._answers_next[rank] and chunk not in self._answers_held[rank]:
