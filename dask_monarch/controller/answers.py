@@ -12,8 +12,10 @@ runs on the event loop and is awaited here in slices of ``SLICE`` seconds, and g
 as the result is lost (the future's status leaves ``finished``: its worker died) or the session has failed or
 stopped. Only that session fails; the thread ends with the session (``stop``).
 
-The same thread applies the answer chunks that the session's answer channels bring (``channel.py``, ``put_chunk``),
-so the answers of a rank are applied by one thread whichever way they came.
+The answer chunks that the session's answer channels bring (``channel.py``, ``put_chunk``) are applied on the
+client's event loop as they arrive when that is cheap and cannot wait (``Session._chunk_inline``: a thread switch
+less on every fetch), else by this thread; whoever applies a chunk, a rank's chunks are applied in their order,
+under the session lock, with those that come in task results.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class Answers:
     """Collects the results of ``session``'s tasks on a thread of its own.
 
     ``add(future, sync)``: call ``session._on_sync_done(future)`` (``sync``) or ``session._on_batch_done(future)``
-    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``put_chunk(rank, blob)`` (any
-    thread): call ``session._on_chunk(rank, blob)``. ``stop()`` cancels what is still pending and ends the thread."""
+    once ``future`` is done (finished, errored, cancelled), in the order they finish. ``put_chunk(rank, blob)`` (on
+    the event loop): apply it there (``session._chunk_inline``) or call ``session._on_chunk(rank, ...)`` on the
+    thread. ``stop()`` cancels what is still pending and ends the thread."""
 
     #: seconds between checks of a result being gathered (lost? session over?)
     SLICE = 0.5
@@ -61,7 +64,16 @@ class Answers:
         self._done.add(future)
 
     def put_chunk(self, rank: int, blob: bytes) -> None:
-        """An answer chunk of rank ``rank`` came on its channel (``channel.py``; on the event loop)."""
+        """An answer chunk of rank ``rank`` came on its channel (``channel.py``; on the event loop). Applied right
+        here when that is cheap (``Session._chunk_inline``), else by this thread, in order after those queued."""
+        if not self._chunks:
+            try:
+                blob = self._session._chunk_inline(rank, blob)
+            except Exception:  # a bug here must not end the channel: later answers still count
+                logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
+                return
+            if blob is None:
+                return
         self._chunks.append((rank, blob))
         with self._wake:
             self._wake.notify()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import threading
 
 from distributed.comm import connect
 
@@ -44,6 +45,12 @@ class Channels:
         #: the ranks whose worker said on the channel that the session ended there
         self.ended: set[int] = set()
         self._closing = False
+        #: per rank: the answer chunks received and not yet acknowledged (on the event loop)
+        self._acks: list[list] = [[] for _ in range(session.world_size)]
+        self._outgoing: list = []  # (rank, comm, message) sent and not yet handed to the event loop
+        self._outgoing_lock = threading.Lock()
+        self._wake_pending = False  # a _write_outgoing is on its way to the event loop
+        self._writing: set = set()  # the write tasks under way (asyncio keeps only weak references to tasks)
 
     # ---------------------------------------------------------------------------------------------- opening
     def open(self, timeout: float) -> None:
@@ -81,22 +88,45 @@ class Channels:
     # ------------------------------------------------------------------------------------------------ sending
     def send(self, rank: int, batch: int, segments: list) -> bool:
         """Write batch ``batch`` on rank ``rank``'s channel (from any thread; the event loop writes it). False if
-        the rank has no channel."""
+        the rank has no channel. The batches sent before the event loop gets to them are written on one wake-up
+        of the loop, in the order sent."""
         comm = self.comms[rank]
         if comm is None:
             return False
-        self.client.loop.add_callback(self._write, rank, comm, {"b": batch, "s": segments})
+        with self._outgoing_lock:
+            self._outgoing.append((rank, comm, {"b": batch, "s": segments}))
+            if self._wake_pending:
+                return True
+            self._wake_pending = True
+        self.client.loop.add_callback(self._write_outgoing)
         return True
+
+    def _write_outgoing(self) -> None:
+        """On the event loop: start writing every batch sent so far, each carrying its rank's pending acks."""
+        with self._outgoing_lock:
+            outgoing, self._outgoing = self._outgoing, []
+            self._wake_pending = False
+        for rank, comm, msg in outgoing:
+            acks = self._acks[rank]
+            if acks:
+                msg["a"], self._acks[rank] = acks, []
+            self._writing.add(asyncio.ensure_future(self._write(rank, comm, msg)))
 
     async def _write(self, rank: int, comm, msg: dict) -> None:
         try:
             await comm.write(msg)
         except Exception as e:
             self._lost(rank, comm, e)
+        finally:
+            self._writing.discard(asyncio.current_task())
 
     # ------------------------------------------------------------------------------------------------ answers
+    #: seconds an answer chunk's acknowledgement may wait to travel with the rank's next batch before it goes alone
+    ACK_DELAY = 0.002
+
     async def _read(self, rank: int, comm) -> None:
         answers = self.session._answers
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 msg = await comm.read()
@@ -104,9 +134,19 @@ class Channels:
                     self.ended.add(rank)
                     continue
                 answers.put_chunk(rank, msg["d"])
-                await comm.write({"a": msg["c"]})
+                acks = self._acks[rank]
+                acks.append(msg["c"])
+                if len(acks) == 1:
+                    loop.call_later(self.ACK_DELAY, self._ack, rank, comm)
         except Exception as e:
             self._lost(rank, comm, e)
+
+    def _ack(self, rank: int, comm) -> None:
+        """On the event loop: acknowledge what no batch has carried since (``ACK_DELAY``)."""
+        acks = self._acks[rank]
+        if acks and self.comms[rank] is comm:
+            self._acks[rank] = []
+            self._writing.add(asyncio.ensure_future(self._write(rank, comm, {"a": acks})))
 
     def _lost(self, rank: int, comm, error: BaseException) -> None:
         if self.comms[rank] is not comm:

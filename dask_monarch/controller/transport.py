@@ -296,16 +296,20 @@ class Transport:
         for blob in blobs:
             self._on_chunk(rank, blob)
 
-    def _on_chunk(self, rank: int, blob: bytes) -> None:
+    def _on_chunk(self, rank: int, blob) -> None:
         """Apply answer chunk ``blob`` of rank ``rank`` (pickled ``(chunk, messages)``, from a task's result or the
-        rank's channel; on the answers thread). Each rank's chunks are applied in their order (Dask may finish two
-        status tasks of one rank in either order, and a chunk may come both ways: a Status applied before the
-        FetchResult it follows would resolve a fetch without its value); one that came already is ignored."""
-        try:
-            chunk, messages = pickle.loads(blob)
-        except Exception as e:
-            self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
-            return
+        rank's channel, or already unpickled by ``_chunk_inline``; on the answers thread). Each rank's chunks are
+        applied in their order (Dask may finish two status tasks of one rank in either order, and a chunk may come
+        both ways: a Status applied before the FetchResult it follows would resolve a fetch without its value); one
+        that came already is ignored."""
+        if type(blob) is tuple:
+            chunk, messages = blob
+        else:
+            try:
+                chunk, messages = pickle.loads(blob)
+            except Exception as e:
+                self._fail(SessionError(f"session {self.id}: could not read rank {rank}'s answers: {e}"))
+                return
         if chunk is not None and (chunk < self._answers_next[rank] or chunk in self._answers_held[rank]):
             return
         messages = [self._unwrap(rank, m) if type(m) is FetchResult else m for m in messages]
@@ -316,17 +320,54 @@ class Transport:
             # worker that left or went silent, if the scheduler knows one
             note = self._departed(failed[0].error.backtrace)
         with self.lock:
-            if chunk is None:  # the session had already ended on that worker
-                for msg in messages:
-                    self._handle(rank, msg, note)
-                return
-            held = self._answers_held[rank]
-            held[chunk] = (messages, note)
-            while self._answers_next[rank] in held:
-                messages, note = held.pop(self._answers_next[rank])
-                self._answers_next[rank] += 1
-                for msg in messages:
-                    self._handle(rank, msg, note)
+            self._apply_chunk(rank, chunk, messages, note)
+
+    #: the largest answer chunk (bytes) applied on the event loop (``_chunk_inline``); larger ones go to the thread
+    INLINE_CHUNK = 64 * 1024
+
+    def _chunk_inline(self, rank: int, blob: bytes):
+        """Apply a channel's answer chunk right here on the event loop when that is cheap and cannot wait on anything
+        (``Answers.put_chunk``): a chunk of at most ``INLINE_CHUNK`` bytes of ``Status`` and ``FetchResult`` answers
+        only (not ``SessionFailed``, whose report asks the scheduler who left, nor a failure, which marks every
+        user of the failed seq; nor a separately pickled fetched value, whose class may import a module), when the
+        session lock is free now (a thread holding it may be waiting for this event loop). Returns None if applied,
+        else what the answers thread is to apply (the unpickled ``(chunk, messages)``, or ``blob`` itself)."""
+        if len(blob) > self.INLINE_CHUNK:
+            return blob
+        try:
+            decoded = pickle.loads(blob)
+        except Exception:
+            return blob  # the answers thread reports it
+        chunk, messages = decoded
+        if chunk is None:
+            return decoded
+        for m in messages:
+            kind = type(m)
+            if kind is not Status and (kind is not FetchResult or type(m.value) is PickledValue):
+                return decoded
+        if not self.lock.acquire(blocking=False):
+            return decoded
+        try:
+            if chunk >= self._answers_next[rank] and chunk not in self._answers_held[rank]:
+                self._apply_chunk(rank, chunk, messages, "")
+        finally:
+            self.lock.release()
+        return None
+
+    def _apply_chunk(self, rank: int, chunk: int | None, messages: list, note: str) -> None:
+        """Apply ``messages``, chunk ``chunk`` of rank ``rank``, in chunk order (held until the chunks before it have
+        been applied). Under the session lock."""
+        if chunk is None:  # the session had already ended on that worker
+            for msg in messages:
+                self._handle(rank, msg, note)
+            return
+        held = self._answers_held[rank]
+        held[chunk] = (messages, note)
+        while self._answers_next[rank] in held:
+            messages, note = held.pop(self._answers_next[rank])
+            self._answers_next[rank] += 1
+            for msg in messages:
+                self._handle(rank, msg, note)
 
     def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
         """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the

@@ -7,8 +7,8 @@ cluster uses it) and sends ``{"op": "monarch_channel", "params": <pickled Sessio
 until either side closes it:
 
 * controller -> worker: ``{"b": batch, "s": segments}``, a batch that also travels as a pinned Dask task (the
-  inbox takes whichever copy comes first and ignores the other), and ``{"a": chunk}``, the acknowledgement of an
-  answer chunk;
+  inbox takes whichever copy comes first and ignores the other), with ``"a": [chunk, ...]``, the answer chunks
+  received since the last batch, or ``{"a": [chunk, ...]}`` alone when no batch followed them soon;
 * worker -> controller: ``{"c": chunk, "d": bytes}``, an answer chunk of the outbox (``worker/outbox.py``), pushed
   when a ``Status`` or ``SessionFailed`` is reported, and ``{"x": True}`` once the session has ended here (its
   threads joined, its memory freed), which ``mesh.exit()`` waits for.
@@ -75,8 +75,8 @@ async def serve(plugin, comm, params: bytes) -> None:
             msg = await comm.read()
             if "b" in msg:
                 inbox.put(msg["b"], [_segment(s) for s in msg["s"]])
-            elif "a" in msg:
-                outbox.acked(msg["a"])
+            for chunk in msg.get("a", ()):
+                outbox.acked(chunk)
     except Exception:  # the controller closed it, or it broke: tasks carry everything from now on
         pass
     finally:
