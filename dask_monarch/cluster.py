@@ -110,6 +110,16 @@ class WorkerProcess(SubprocessWorker):
         await super().close()
 
 
+class _WorkersFirstCluster(SpecCluster):
+    """``SpecCluster`` closing its worker processes before its scheduler. ``SpecCluster`` closes the scheduler first,
+    and a worker whose heartbeat is in flight then logs "Failed to communicate with scheduler during heartbeat" as
+    an ERROR traceback on a normal exit."""
+
+    async def _close(self):
+        await asyncio.gather(*(w.close() for w in list(self.workers.values())), return_exceptions=True)
+        await super()._close()
+
+
 def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
                         dashboard: str | None = None) -> SpecCluster:
     """A cluster of ``n_workers`` single-threaded worker processes on this machine (``WorkerProcess``), with its
@@ -147,7 +157,8 @@ def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
         # with 8787 taken Dask binds a free port and says so in a UserWarning ("Perhaps you already have a cluster
         # running?"), which reads like a failure; the link printed at attach gives the port
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
-        return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=silence_logs, name="dask_monarch")
+        return _WorkersFirstCluster(workers=workers, scheduler=scheduler, silence_logs=silence_logs,
+                                    name="dask_monarch")
 
 
 def wait_for_workers(cluster: SpecCluster, client, n: int, timeout: float) -> None:

@@ -175,6 +175,8 @@ class Session(Transport, Bookkeeping, Liveness):
 
     #: seconds to open the answer channels (a worker the controller cannot reach costs attach this long)
     CHANNEL_TIMEOUT = 5.0
+    #: seconds ``mesh.exit()`` lets the exit tasks finish once every rank said on its channel that it closed
+    EXIT_TASK_GRACE = 1.0
 
     def check_ok(self) -> None:
         """Raise the session's failure (``SessionError``), or ``SessionError`` if it is closed."""
@@ -280,12 +282,18 @@ class Session(Transport, Bookkeeping, Liveness):
         while True:
             late = [r for r, f in futures.items() if r not in ended and not f.done()]
             if not late:
-                return
+                break
             if self.failure is not None:
                 raise self.failure
             if time.monotonic() >= deadline:
                 names = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
                 raise TimeoutError(f"mesh.exit(): the session did not finish closing on {names} in time")
+            time.sleep(0.002)
+        # a rank that said so on the channel still runs its exit task for a moment (it returns once its last answers
+        # are acknowledged): let it end, briefly, so that closing an embedded cluster next does not cancel it under
+        # the worker (Dask then logs "Async instruction ... ended with CancelledError")
+        grace = min(deadline, time.monotonic() + self.EXIT_TASK_GRACE)
+        while time.monotonic() < grace and not all(f.done() for f in futures.values()):
             time.sleep(0.002)
 
     def close(self, timeout: float = 60.0) -> None:

@@ -233,9 +233,12 @@ class Transport:
     def _channel_lost(self, rank: int, error: BaseException) -> None:
         """Rank ``rank``'s channel broke (on the event loop): its batches go as tasks at once from now on, and
         the tasks of those already sent on it are submitted now (the flusher does it: no lock here)."""
-        logger.warning("dask_monarch: session %s: the answer channel to rank %d (%s) closed (%s: %s); its answers come "
-                       "back as Dask task results from now on", self._key, rank, self.workers[rank],
-                       type(error).__name__, error)
+        # the program closing its own Client under the session closes the channels too: no news then
+        quiet = self.closed or getattr(self.client, "status", None) in ("closing", "closed")
+        logger.log(logging.DEBUG if quiet else logging.WARNING,
+                   "dask_monarch: session %s: the answer channel to rank %d (%s) closed (%s: %s); its answers come "
+                   "back as Dask task results from now on", self._key, rank, self.workers[rank],
+                   type(error).__name__, error)
         self._later_due = time.monotonic()
         self._wake.set()
 
