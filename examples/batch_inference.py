@@ -39,25 +39,30 @@ def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progres
     ddf = dd.read_parquet(data_path)
     # rows of features and target as one float32 tensor per rank, taken where Dask read them
     rows = dm.from_dask(ddf, mesh, columns=FEATURES + ["target"], dtype=torch.float32, drop_remainder=True)
-    n = rows.shape[0]
-    bar = _bar(n * mesh.size("dp"), progress)
-    predictions, correct = [], 0
+    n, ranks = rows.shape[0], mesh.size("dp")
+    bar = _bar(n * ranks, progress)
+    predictions, marks = [], []
     with mesh.activate(), torch.no_grad():
+        correct = torch.zeros((), dtype=torch.int64)  # hits so far, per rank
         for lo in range(0, n, batch):
             x, y = rows[lo:lo + batch, :64], rows[lo:lo + batch, 64].long()
             p = model(x).argmax(dim=1)
             predictions.append(torch.stack([y, p], dim=1))
-            hits = (p == y).sum().reduce("dp", "sum")
-            with dm.no_mesh.activate():
-                correct += int(dm.fetch_shard(hits).result())  # waits for this slice on every rank
-            if bar is not None:
-                bar.update(x.shape[0] * mesh.size("dp"))
+            correct = correct + (p == y).sum()
+            # no wait here: the whole pass is sent at once; a fetch per slice marks its end for the progress bar
+            marks.append((dm.fetch_shard(correct), x.shape[0] * ranks))
         out = torch.cat(predictions)
+        total_correct = correct.reduce("dp", "sum")
+    frame = dm.to_dask_dataframe(out, columns=["target", "prediction"])  # its partitions wait on the workers
+    for mark, scored in marks:
+        mark.result()  # this slice is done on every rank
+        if bar is not None:
+            bar.update(scored)
     if bar is not None:
         bar.close()
-    frame = dm.to_dask_dataframe(out, columns=["target", "prediction"])
+    correct = int(dm.fetch_shard(total_correct).result())
     frame.to_parquet(out_path, write_index=False)
-    total = n * mesh.size("dp")
+    total = n * ranks
     return {"rows": total, "accuracy": correct / total, "seconds": time.perf_counter() - start}
 
 

@@ -14,6 +14,7 @@ mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk o
 from __future__ import annotations
 
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from ..controller.mesh import DeviceMesh
 from ..controller.remote import call_on_mesh, function_of
 from ..controller.tensor import Tensor
 from ..worker.exports import RawRef
-from .tasks import TORCH_DTYPES, assemble, frame, numpy_dtype_of, rows, take_export
+from .tasks import TORCH_DTYPES, PartitionHomes, assemble, frame, nrows, numpy_dtype_of, rows, take_export
 
 __all__ = ["from_dask", "to_dask", "to_dask_dataframe", "partitions_of", "mesh_dim"]
 
@@ -101,30 +102,92 @@ def torch_to_numpy(dtype, what: str) -> np.dtype:
         raise TypeError(f"{what}: {e}") from None
 
 
-def partitions_of(collection, client, what: str, timeout: float):
-    """``(persisted, futures, row_counts)``: the collection persisted on the cluster (a no-op for one already
-    persisted), its partitions' futures in row order, and their row counts (from the array's chunks, or a
-    ``len`` task per partition on its holder: only the counts reach the controller). Raises the first
-    partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
-    persisted = client.persist(collection)
+def partitions_of(collection, client, what: str, timeout: float, homes: list | None = None):
+    """``(persisted, futures, row_counts, holders)``: the collection persisted on the cluster (a no-op for one
+    already persisted), its partitions' futures in row order, their row counts (from the array's chunks, or an
+    ``nrows`` task per partition pinned to its holder: only the counts reach the controller), and the workers
+    holding each partition's key (``Client.who_has``'s answer, or the placement below).
+
+    ``homes`` (the workers of the positions that will read the rows, in order) places the partitions Dask has yet
+    to compute: partition j of P is computed on ``homes[(2j + 1) * S // (2P)]`` for S positions (the position
+    holding its middle row when the partitions are of one size), a strict ``dask.annotate(workers=...)``
+    restriction so that work stealing does not move it away: the rows are made where they are read instead of
+    moving there. Raises the first partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
+    persisted, holders = _persist(collection, client, homes)
     futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
+    if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
+        _wait_all(futures, what, timeout)
+        return persisted, futures, [int(c) for c in persisted.chunks[0]], holders
+    if holders is None:
+        _wait_all(futures, what, timeout)
+        holders = client.who_has(futures)
+    counts = [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
+                            key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
+    _wait_all(counts, what, timeout)  # a partition's failure fails its count with that error
+    return persisted, futures, [int(c) for c in client.gather(counts)], holders
+
+
+def _wait_all(futures: list, what: str, timeout: float) -> None:
+    """Wait for ``futures`` (partitions, or tasks of one each) for at most ``timeout`` seconds; raises the first
+    one's failure, or ``TimeoutError`` saying how many were not done."""
     done, pending = wait(futures, timeout=timeout, return_when="ALL_COMPLETED") if futures else ((), ())
     if pending:
         raise TimeoutError(f"{what}: {len(pending)} of {len(futures)} partitions were not computed within {timeout} s")
     for f in futures:
         if f.status == "error":
             f.result()  # raises the partition's own error
-    if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
-        counts = list(persisted.chunks[0])
-    else:
-        counts = client.gather(client.map(len, futures, pure=False))
-    return persisted, futures, [int(c) for c in counts]
+
+
+def _persist(collection, client, homes: list | None):
+    """``(persisted, holders)``: ``collection`` persisted, with each output partition's task restricted to its
+    position's worker when ``homes`` is given (``partitions_of``); ``holders`` maps each output key to that
+    worker (a list of one), or is None when Dask placed them (no ``homes``, or output partitions already
+    computed: a persisted collection stays where it is). A DataFrame is optimized first (``optimize()``: its
+    partitions fused into the tasks whose keys are restricted, so the reading itself happens there)."""
+    import dask
+    from dask.core import flatten
+
+    if not homes:
+        return client.persist(collection), None
+    if _is_dataframe(collection):
+        collection = collection.optimize()
+    keys = list(flatten(collection.__dask_keys__()))
+    if {f.key for f in futures_of(collection)} & set(keys):
+        return client.persist(collection), None
+    size, n = len(homes), len(keys)
+    where = {key: [homes[min(size - 1, (2 * j + 1) * size // (2 * n))]] for j, key in enumerate(keys)}
+    with dask.annotate(workers=PartitionHomes(where), allow_other_workers=False), warnings.catch_warnings():
+        # dask-expr warns that a DataFrame made under annotations ignores them (persist makes one of the futures);
+        # the Client does send them with the graph (Client._graph_to_futures), and the scheduler applies them
+        warnings.filterwarnings("ignore", message="Dask annotations .* detected", category=UserWarning)
+        persisted = client.persist(collection)
+    if {f.key for f in futures_of(persisted)} != set(keys):  # Dask renamed them: it placed them itself
+        return persisted, None
+    return persisted, where
 
 
 def _ranks_along(mesh: DeviceMesh, dim: str) -> dict:
     """Global rank -> its coordinate along ``dim``."""
     axis = mesh.names.index(dim)
     return {r: mesh.processes.coordinates(r)[axis] for r in mesh._rank_list}
+
+
+def position_homes(mesh: DeviceMesh, dim: str) -> list:
+    """The worker of each position along ``dim``, in order: that of the position's first rank (where a
+    partition of the position's rows is best computed; the position's other ranks, over the mesh's other
+    dimensions, get a copy)."""
+    homes = {}
+    for rank, position in _ranks_along(mesh, dim).items():
+        homes.setdefault(position, mesh.workers[rank])
+    return [homes[p] for p in range(mesh.size(dim))]
+
+
+def project(collection, columns):
+    """A DataFrame not yet computed, narrowed to ``columns`` (so that a reader such as ``read_parquet`` reads only
+    those); a persisted one (or one already of those columns) as it is, not copied."""
+    if columns is None or list(collection.columns) == list(columns) or futures_of(collection):
+        return collection
+    return collection[list(columns)]
 
 
 def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
@@ -166,7 +229,8 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     else:
         raise TypeError(f"{what}: expected a dask.array.Array or a dask.dataframe.DataFrame, got "
                         f"{type(collection).__module__}.{type(collection).__name__}")
-    _, futures, counts = partitions_of(collection, client, what, timeout)
+    collection = project(collection, columns_sent)
+    _, futures, counts, holders = partitions_of(collection, client, what, timeout, homes=position_homes(mesh, dim))
     total = sum(counts)
     size = mesh.size(dim)
     if total % size and not drop_remainder:
@@ -177,7 +241,8 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     per_rank = total // size
     if per_rank == 0:
         raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
-    holders = client.who_has(futures)
+    if holders is None:
+        holders = client.who_has(futures)
     token = uuid.uuid4().hex[:12]
     pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
     starts = np.concatenate([[0], np.cumsum(counts)])
@@ -243,12 +308,13 @@ def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
     """
     import dask.array as da
 
-    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, "to_dask")
+    shape, np_dtype, futures, _ = _shard_futures(tensor, dim, timeout, "to_dask")
     return da.concatenate([da.from_delayed(f, shape=shape, dtype=np_dtype) for f in futures], axis=0)
 
 
 def _shard_futures(tensor, dim, timeout: float, what: str):
-    """``(shard shape, numpy dtype, futures)``: the ``take_export`` tasks of ``tensor``'s shards along ``dim``."""
+    """``(shard shape, numpy dtype, futures, ranks)``: the ``take_export`` tasks of ``tensor``'s shards along
+    ``dim``, and the rank of each."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
                         f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
@@ -272,7 +338,7 @@ def _shard_futures(tensor, dim, timeout: float, what: str):
                       allow_other_workers=False, pure=False, key=f"monarch-{what}-{token}-{position}")
         for position, rank in enumerate(ranks)
     ]
-    return tuple(tensor.shape), np_dtype, futures
+    return tuple(tensor.shape), np_dtype, futures, ranks
 
 
 def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, timeout: float = 300.0):
@@ -301,9 +367,11 @@ def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, t
     repeated = sorted({c for c in columns if columns.count(c) > 1}, key=str)
     if repeated:
         raise ValueError(f"{what}: column names must be unique; {repeated} repeated in {columns}")
-    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, what)
+    shape, np_dtype, futures, ranks = _shard_futures(tensor, dim, timeout, what)
     rows = shape[0]
     client = tensor.mesh.client
-    frames = [client.submit(frame, f, columns, i * rows, pure=False, key=f"{f.key}-frame") for i, f in enumerate(futures)]
+    workers = [tensor.mesh.workers[rank] for rank in ranks]  # each frame made where its shard is
+    frames = [client.submit(frame, f, columns, i * rows, workers=[w], allow_other_workers=True, pure=False,
+                            key=f"{f.key}-frame") for i, (f, w) in enumerate(zip(futures, workers))]
     meta = pd.DataFrame({c: np.empty(0, dtype=np_dtype) for c in columns})
     return dd.from_delayed(frames, meta=meta, divisions=[i * rows for i in range(len(frames))] + [len(frames) * rows - 1])

@@ -25,7 +25,7 @@ from ..controller.stream import get_active_stream
 from ..controller.tensor import Tensor
 from ..protocol import ArgsKwargs, CallFunction, FunctionPath, PipeRecv
 from .collections import _is_array, _is_dataframe, _ranks_along, column_dtype, frame_columns, mesh_dim
-from .collections import partitions_of, torch_to_numpy
+from .collections import partitions_of, position_homes, project, torch_to_numpy
 from .tasks import TORCH_DTYPES, feed_partition
 
 __all__ = ["Pipe", "create_pipe"]
@@ -337,7 +337,9 @@ def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefe
             columns_sent = [c for c in columns_sent if c != label]
         np_dtype = column_dtype(source, columns_sent, dtype, what)
         rest = (len(columns_sent),)
-    _, futures, counts = partitions_of(source, mesh.client, what, timeout)
+    if columns_sent is not None:
+        source = project(source, columns_sent + ([label] if label is not None and label not in columns_sent else []))
+    _, futures, counts, _ = partitions_of(source, mesh.client, what, timeout, homes=position_homes(mesh, dim))
     size = mesh.size(dim)
     positions = _ranks_along(mesh, dim)
     by_position = assign(counts, size)

@@ -17,7 +17,7 @@ import asyncio
 import numpy as np
 import torch
 
-__all__ = ["TORCH_DTYPES", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
+__all__ = ["TORCH_DTYPES", "PartitionHomes", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
            "feed_partition", "frame", "nrows"]
 
 #: numpy dtype -> torch dtype (what ``torch.from_numpy`` accepts)
@@ -59,25 +59,46 @@ def rows(part, start: int, stop: int):
     return part[start:stop] if isinstance(part, np.ndarray) else part.iloc[start:stop]
 
 
-def to_numpy(part, columns, dtype: np.dtype) -> np.ndarray:
-    """A partition as a numpy array of ``dtype``: a pandas DataFrame's ``columns`` as a 2-D array (rows x
-    columns), or a numpy chunk as it is. A column that does not convert (missing values in an integer column,
-    strings) raises ``TypeError`` naming it."""
+def to_numpy(part, columns, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """A partition as a numpy array of ``dtype``: a pandas DataFrame's ``columns`` as a new C-ordered 2-D array
+    (rows x columns; written into ``out`` if given; never the DataFrame's own memory), or a numpy chunk as it is.
+    The columns convert in one pass (``DataFrame.to_numpy``, which interleaves pandas' column blocks); a column
+    that does not convert (missing values in an integer column, strings) raises ``TypeError`` naming it."""
     if columns is None:
         return np.asarray(part, dtype=dtype)
-    out = np.empty((len(part), len(columns)), dtype=dtype)
-    for i, name in enumerate(columns):
+    try:
+        values = part[columns].to_numpy(dtype=dtype, copy=False)
+    except (TypeError, ValueError):
+        _check_columns(part, columns, dtype)  # raises naming the column
+        raise
+    if out is not None:
+        out[...] = values
+        return out
+    if values.flags.owndata and values.flags.c_contiguous:
+        return values  # made by the conversion (several blocks interleaved): nobody else holds it
+    return np.array(values, dtype=dtype, order="C", copy=True)
+
+
+def _check_columns(part, columns, dtype: np.dtype) -> None:
+    """Convert ``part``'s ``columns`` one by one to ``dtype``: ``TypeError`` naming the first that fails."""
+    for name in columns:
         try:
-            out[:, i] = part[name].to_numpy(dtype=dtype)
+            part[name].to_numpy(dtype=dtype)
         except (TypeError, ValueError) as e:
             raise TypeError(f"column {name!r} (dtype {part[name].dtype}) does not convert to {dtype}: {e}") from None
-    return out
 
 
 def assemble(pieces: list, columns, dtype: np.dtype) -> np.ndarray:
     """A rank's block: its ``pieces`` (partitions or parts of them, in row order, already moved here by Dask)
     as one new numpy array of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may
     write into what it holds)."""
+    if columns is not None:  # each piece's columns written straight into the block: one copy
+        block = np.empty((sum(len(p) for p in pieces), len(columns)), dtype=dtype)
+        start = 0
+        for p in pieces:
+            to_numpy(p, columns, dtype, out=block[start:start + len(p)])
+            start += len(p)
+        return block
     arrays = [to_numpy(p, columns, dtype) for p in pieces]
     if len(arrays) == 1:
         return np.array(arrays[0], dtype=dtype, copy=True, order="C")
@@ -98,6 +119,18 @@ def take_block(mesh, keys: dict):
         raise RuntimeError(f"from_dask: the block {key!r} of rank {mesh.me} is not in this worker's Dask data "
                            "(it was released before the mesh took it)") from None
     return torch.from_numpy(array)
+
+
+class PartitionHomes:
+    """A ``workers`` annotation (``dask.annotate``; Dask calls it with each task's key, on the scheduler): the
+    worker a partition's key is to be computed on (a list of one address), or ``[]`` (no restriction) for the
+    graph's other keys."""
+
+    def __init__(self, where: dict):
+        self.where = where
+
+    def __call__(self, key) -> list:
+        return self.where.get(key, [])
 
 
 async def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
