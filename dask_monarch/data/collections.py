@@ -2,13 +2,15 @@
 DESIGN.md "Decisions": ``from_dask`` / ``to_dask`` move Dask arrays and data frames in place, nothing through the
 controller).
 
-Into the mesh, the controller only plans: it persists the collection, learns each partition's row count and
-holder (``Client.who_has``), and submits one ``assemble`` task per rank pinned to that rank's worker
-(``workers=[address]``, ``allow_other_workers=False``), whose inputs are the partitions (or the pieces of them a
-``rows`` task cut on their holder): Dask itself moves what is held elsewhere worker to worker, and a partition
-already on the rank's worker does not move. A ``CallFunction`` of ``take_block`` then makes the block a tensor
-out of the worker's Dask data. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in the
-mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
+Into the mesh, the controller only plans: it persists the collection (the partitions Dask has yet to compute are
+computed on the workers of the ranks that will read them: a strict ``dask.annotate(workers=...)`` per output
+key), learns each partition's row count (an ``nrows`` task pinned to its holder) and holder, and submits one
+``assemble`` task per rank pinned to that rank's worker (``workers=[address]``, ``allow_other_workers=False``),
+whose inputs are the partitions (or the pieces of them a ``rows`` task cut on their holder): Dask itself moves
+what is held elsewhere worker to worker, and a partition already on the rank's worker does not move. The block
+is left on the worker (``worker/imports.py``, not Dask's data) for a ``CallFunction`` of ``take_block``, which
+makes it a tensor in the mesh's order. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in
+the mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def project(collection, columns):
 
 
 def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
-              drop_remainder: bool = False, timeout: float = 300.0) -> Tensor:
+              drop_remainder: bool = False, pad=None, timeout: float = 300.0) -> Tensor:
     """A remote ``Tensor`` holding ``collection``'s rows, sharded along mesh dimension ``dim`` (issue 15).
 
     ``collection`` is a ``dask.array.Array`` (rows along axis 0; chunks along other axes are merged first) or a
@@ -199,17 +201,25 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     tensor). With N rows and S ranks along ``dim``, the rank at position i of ``dim`` holds rows
     ``[i * N // S, (i + 1) * N // S)`` (replicated over the mesh's other dimensions): every rank's tensor has
     shape ``(N // S, *rest)``. N must divide by S (``ValueError`` naming both), unless ``drop_remainder=True``
-    drops the last ``N % S`` rows. dtype: the array's, or the columns' common numpy dtype (``dtype=`` a torch
+    drops the last ``N % S`` rows, or ``pad=`` a number keeps them all: every rank then holds ``P = ceil(N / S)``
+    rows, position i rows ``[i * P, min((i + 1) * P, N))`` and, after them, rows of ``pad`` (in every column) up to
+    P (so a pad value the data never holds, e.g. a label of -1, tells the padding apart; ``ValueError`` if
+    ``dtype`` cannot hold it). dtype: the array's, or the columns' common numpy dtype (``dtype=`` a torch
     dtype casts); one torch lacks (strings, datetimes, objects) raises ``TypeError`` naming the column.
 
     Nothing passes through the controller: partitions Dask already holds on a rank's worker are taken there; others
-    move worker to worker (Dask's own transfers). The collection is persisted (computed on the cluster) first;
-    the tensor owns its memory (a copy of Dask's chunks, made on the rank's worker). Raises the collection's own
+    move worker to worker (Dask's own transfers). The collection is persisted (computed on the cluster) first,
+    a DataFrame narrowed to the columns taken; partitions not computed yet are computed on the worker of the
+    position holding their middle row (the rows split as if the partitions were of one size), so they need not
+    move. The tensor owns its memory (a copy of Dask's chunks, made on the rank's worker and handed to its
+    stream outside Dask's data, ``worker/imports.py``). Raises the collection's own
     errors, and ``TimeoutError`` if Dask has not placed the rows within ``timeout`` seconds.
     """
     what = "from_dask"
     dim = mesh_dim(mesh, dim, what)
     client = mesh.client
+    if pad is not None and drop_remainder:
+        raise TypeError(f"{what}: pass drop_remainder=True or pad=, not both")
     if _is_array(collection):
         if columns is not None:
             raise TypeError(f"{what}: columns= is for DataFrames; got a dask array")
@@ -229,16 +239,19 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     else:
         raise TypeError(f"{what}: expected a dask.array.Array or a dask.dataframe.DataFrame, got "
                         f"{type(collection).__module__}.{type(collection).__name__}")
+    if pad is not None:
+        _check_pad(pad, np_dtype, what)
     collection = project(collection, columns_sent)
     _, futures, counts, holders = partitions_of(collection, client, what, timeout, homes=position_homes(mesh, dim))
     total = sum(counts)
     size = mesh.size(dim)
-    if total % size and not drop_remainder:
+    if total % size and not drop_remainder and pad is None:
         raise ValueError(
             f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
-            f"drop_remainder=True to drop the last {total % size} rows, or give the collection a multiple of {size}"
+            f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' blocks, "
+            f"or give the collection a multiple of {size}"
         )
-    per_rank = total // size
+    per_rank = -(-total // size) if pad is not None else total // size
     if per_rank == 0:
         raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
     if holders is None:
@@ -247,7 +260,7 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
     starts = np.concatenate([[0], np.cumsum(counts)])
     for position in range(size):
-        lo, hi = position * per_rank, (position + 1) * per_rank
+        lo, hi = position * per_rank, min((position + 1) * per_rank, total)
         pieces = []
         for j, future in enumerate(futures):
             a, b = max(lo, starts[j]), min(hi, starts[j + 1])
@@ -264,11 +277,12 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
         pieces_of[position] = pieces
     positions = _ranks_along(mesh, dim)
     workers = mesh.workers
+    session = mesh._session
     blocks = {}
     for rank, position in positions.items():
-        blocks[rank] = client.submit(assemble, pieces_of[position], columns_sent, np_dtype, workers=[workers[rank]],
-                                     allow_other_workers=False, pure=False,
-                                     key=f"monarch-from_dask-{token}-{rank}")
+        blocks[rank] = client.submit(assemble, session.id, token, rank, pieces_of[position], columns_sent, np_dtype,
+                                     (per_rank, *rest), pad, workers=[workers[rank]], allow_other_workers=False,
+                                     pure=False, key=f"monarch-from_dask-{token}-{rank}")
     done, pending = wait(list(blocks.values()), timeout=timeout)
     if pending:
         late = sorted(r for r, f in blocks.items() if f in pending)
@@ -276,17 +290,28 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     for rank, f in blocks.items():
         if f.status == "error":
             f.result()
-    keys = {rank: f.key for rank, f in blocks.items()}
     torch_dtype = TORCH_DTYPES[np_dtype]
     shape = (per_rank, *rest)
 
-    def shapes(mesh, keys):
+    def shapes(mesh, token):
         return torch.empty(shape, dtype=torch_dtype)
 
-    tensor = call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, keys), {}, mesh=mesh)
-    mesh._session.sync("from_dask").result(timeout=timeout)  # every rank took its block: Dask may let go of it
-    del blocks, pieces_of
-    return tensor
+    # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
+    return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+
+
+def _check_pad(pad, np_dtype: np.dtype, what: str) -> None:
+    """``pad`` must be a number (or bool) that ``np_dtype`` holds exactly (NaN for a float dtype)."""
+    if not isinstance(pad, (bool, int, float, complex, np.number, np.bool_)):
+        raise TypeError(f"{what}: pad must be a number, got {pad!r}")
+    try:
+        with np.errstate(all="ignore"):
+            held = np.array(pad).astype(np_dtype)
+    except (TypeError, ValueError, OverflowError):
+        held = None
+    same = held is not None and (held == pad or (pad != pad and held != held))
+    if not same:
+        raise ValueError(f"{what}: pad={pad!r} is not a value of the tensor's dtype {np_dtype}")
 
 
 def _no_tensors(*args, **kwargs):

@@ -2,9 +2,10 @@
 so Dask moves their inputs worker to worker, never through the controller) and the remote functions a mesh's
 streams call. Nothing here imports the controller.
 
-* from_dask: ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
-  rows as one numpy array, on the rank's worker), then the remote function ``take_block`` (the block out of the
-  worker's Dask data, as a tensor).
+* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (a partition's row count, on its
+  holder), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
+  rows as one numpy array, on the rank's worker, left in ``worker/imports.py``), then the remote function
+  ``take_block`` (that block as a tensor, on the rank's stream).
 * to_dask: the remote function ``dask_monarch.worker.exports.export`` (a snapshot in the mesh's order), then
   ``take_export`` (the snapshot as the task's result, held by Dask on that worker).
 * pipes: ``feed_partition`` (a partition into the rank's ``CollectionSource``, ``worker/pipe.py``).
@@ -17,7 +18,7 @@ import asyncio
 import numpy as np
 import torch
 
-__all__ = ["TORCH_DTYPES", "PartitionHomes", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
+__all__ = ["TORCH_DTYPES", "PartitionHomes", "numpy_dtype_of", "rows", "block_of", "assemble", "to_numpy", "take_block", "take_export",
            "feed_partition", "frame", "nrows"]
 
 #: numpy dtype -> torch dtype (what ``torch.from_numpy`` accepts)
@@ -88,37 +89,56 @@ def _check_columns(part, columns, dtype: np.dtype) -> None:
             raise TypeError(f"column {name!r} (dtype {part[name].dtype}) does not convert to {dtype}: {e}") from None
 
 
-def assemble(pieces: list, columns, dtype: np.dtype) -> np.ndarray:
-    """A rank's block: its ``pieces`` (partitions or parts of them, in row order, already moved here by Dask)
-    as one new numpy array of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may
-    write into what it holds)."""
-    if columns is not None:  # each piece's columns written straight into the block: one copy
-        block = np.empty((sum(len(p) for p in pieces), len(columns)), dtype=dtype)
-        start = 0
-        for p in pieces:
+def block_of(pieces: list, columns, dtype: np.dtype, shape: tuple | None = None, pad=None) -> np.ndarray:
+    """A rank's block: its ``pieces`` (partitions or parts of them, in row order) as one new C-ordered numpy array
+    of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may write into what it
+    holds); with ``shape`` (more rows than the pieces have), the rows after them are ``pad``."""
+    rows = sum(len(p) for p in pieces)
+    if shape is None:
+        shape = (rows, len(columns)) if columns is not None else (rows, *np.shape(pieces[0])[1:])
+    block = np.empty(shape, dtype=dtype)
+    start = 0
+    for p in pieces:  # each piece written straight into the block: one copy
+        if columns is not None:
             to_numpy(p, columns, dtype, out=block[start:start + len(p)])
-            start += len(p)
-        return block
-    arrays = [to_numpy(p, columns, dtype) for p in pieces]
-    if len(arrays) == 1:
-        return np.array(arrays[0], dtype=dtype, copy=True, order="C")
-    return np.ascontiguousarray(np.concatenate(arrays, axis=0))
+        else:
+            block[start:start + len(p)] = p
+        start += len(p)
+    if start < len(block):
+        block[start:] = pad
+    return block
 
 
-def take_block(mesh, keys: dict):
-    """On a stream's thread: this rank's block, the result of its ``assemble`` task in this worker's Dask data
-    (``distributed.get_worker().data``), as a tensor sharing its memory (``torch.from_numpy``). ``keys`` maps
-    each global rank to the key of its block."""
+def assemble(session_id: str, token: str, rank: int, pieces: list, columns, dtype: np.dtype,
+             shape: tuple | None = None, pad=None) -> int:
+    """The Dask task (pinned to rank ``rank``'s worker, its ``pieces`` already moved here by Dask) that builds the
+    rank's block (``block_of``; ``shape`` and ``pad`` for a padded one) and leaves it on this worker for
+    ``take_block`` (``worker/imports.py``), if the session lives here. Returns the block's row count (all that
+    Dask holds). Raises a conversion's ``TypeError`` naming the column."""
     from distributed import get_worker
 
-    key = keys[mesh.me]
-    data = get_worker().data
-    try:
-        array = data[key]
-    except KeyError:
-        raise RuntimeError(f"from_dask: the block {key!r} of rank {mesh.me} is not in this worker's Dask data "
-                           "(it was released before the mesh took it)") from None
-    return torch.from_numpy(array)
+    from ..worker import imports
+    from ..worker.plugin import PLUGIN_NAME
+
+    block = block_of(pieces, columns, dtype, shape, pad)
+    plugin = get_worker().plugins.get(PLUGIN_NAME)
+    if plugin is not None and session_id in plugin.sessions:  # else the session ended here: nobody will take it
+        imports.put(session_id, token, rank, block)
+    return len(block)
+
+
+def take_block(mesh, token: str):
+    """On a stream's thread: this rank's block of the ``from_dask`` call ``token`` (left by its ``assemble``
+    task, which the controller saw finish before sending this), as a tensor owning that array's memory
+    (``torch.from_numpy``). ``RuntimeError`` if it is not on this worker."""
+    from ..worker import imports
+    from ..worker.context import current_stream
+
+    block = imports.take(current_stream().tw.session_id, token, mesh.me)
+    if block is None:
+        raise RuntimeError(f"from_dask: the block of rank {mesh.me} (call {token}) is not on this worker (its "
+                           "assemble task ran elsewhere, or it was taken already)")
+    return torch.from_numpy(block)
 
 
 class PartitionHomes:
