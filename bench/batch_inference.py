@@ -103,12 +103,18 @@ def main(argv=None) -> None:
             times = {"mesh": [], "map_partitions": [], "ray": []}
             through = []
             for r in range(args.rounds):
-                before = io_bytes()
-                times["mesh"].append(score(mesh, model, paths["score"], os.path.join(root, f"m{r}"), progress=False)
-                                     ["seconds"])
-                through.append(io_bytes() - before)
-                times["map_partitions"].append(dask_baseline(mesh.client, local, paths["score"],
-                                                             os.path.join(root, f"d{r}")))
+                def run_mesh():
+                    before = io_bytes()
+                    times["mesh"].append(score(mesh, model, paths["score"], os.path.join(root, f"m{r}"),
+                                               progress=False)["seconds"])
+                    through.append(io_bytes() - before)
+
+                def run_baseline():
+                    times["map_partitions"].append(dask_baseline(mesh.client, local, paths["score"],
+                                                                 os.path.join(root, f"d{r}")))
+
+                for run in ((run_mesh, run_baseline) if r % 2 == 0 else (run_baseline, run_mesh)):
+                    run()  # the order alternates from round to round: neither always runs first
         ray_note = None
         if not args.no_ray:
             for r in range(args.rounds):
@@ -125,6 +131,9 @@ def main(argv=None) -> None:
         if times[name]:
             t = statistics.median(times[name])
             print(f"{name}: {rows / t:,.0f} rows/s; mesh / {name} = {t / base:.2f}")
+    paired = [b / m for m, b in zip(times["mesh"], times["map_partitions"])]
+    print(f"mesh / map_partitions per round (the two run back to back): {' '.join(f'{x:.2f}' for x in paired)}; "
+          f"median {statistics.median(paired):.2f}")
     if ray_note:
         print(f"ray: {ray_note}")
     print(f"controller process I/O during the mesh pipeline (median): {statistics.median(through):,} bytes "

@@ -23,6 +23,7 @@ import time
 from collections import deque
 
 import torch
+from distributed import wait
 
 import dask_monarch as dm
 
@@ -48,15 +49,18 @@ def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progres
     ranks = mesh.size("dp")
     step = group * ranks
     bar = _bar(progress)
-    outs, marks = [], deque()
+    marks, writes = deque(), []
+    previous = None  # the predictions of the group before, not yet sent to be written
     with torch.no_grad():
         for first in range(0, ddf.npartitions, step):
             # this group's rows, one float32 block per rank, read and taken where Dask read them (placed there)
             rows = dm.from_dask(ddf.partitions[first:first + step], mesh, columns=FEATURES + ["target"],
                                 dtype=torch.float32, pad=-1)
+            if previous is not None:  # its snapshot comes next in the mesh's order: Dask writes it meanwhile
+                writes.append(_write(previous, out_path, len(writes)))
             n = rows.shape[0]
             with mesh.activate():
-                if not outs:
+                if previous is None:
                     correct = torch.zeros((), dtype=torch.int64)  # hits so far, per rank
                     scored = torch.zeros((), dtype=torch.int64)   # rows so far, per rank (padding left out)
                 predictions, starts, marked = [], range(0, n, batch), 0
@@ -72,20 +76,32 @@ def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progres
                         marks.append((dm.fetch_shard(correct), (end - marked) * ranks))
                         marked = end
                 scored = scored + (rows[:, 64] >= 0).sum()
-                outs.append(torch.cat(predictions))
+                previous = torch.cat(predictions)
             _advance(bar, marks, n * ranks, wait=False)
         with mesh.activate():
             totals = torch.stack([correct, scored]).reduce("dp", "sum")
-    # the predictions as Dask DataFrames whose partitions are made on the workers holding them (after the
-    # loop: a to_dask task waiting for its snapshot holds a Dask thread that the next group's reading needs)
-    frames = [dm.to_dask_dataframe(out, columns=["target", "prediction"]) for out in outs]
+    writes.append(_write(previous, out_path, len(writes)))
     _advance(bar, marks, 0, wait=True)
     correct, total = (int(v) for v in dm.fetch_shard(totals).result())
     if bar is not None:
         bar.close()
-    frame = dd.concat(frames)
-    frame[frame["target"] >= 0].to_parquet(out_path, write_index=False)
+    wait(writes, timeout=300.0)
+    for w in writes:
+        w.result()  # raises a write's error
     return {"rows": total, "accuracy": correct / total, "seconds": time.perf_counter() - start}
+
+
+def _write(predictions, out_path: str, group: int):
+    """Start writing a group's predictions (their padding left out) to Parquet files ``part.<group>.<i>.parquet``
+    under ``out_path``, from the workers holding them; returns the Dask future of the write.
+
+    ``to_dask_dataframe`` is called after the next group's ``from_dask``: its tasks wait for their snapshots on
+    a Dask thread that the next group's reading needs, and by then the snapshot comes next in the mesh's order."""
+    frame = dm.to_dask_dataframe(predictions, columns=["target", "prediction"])
+    frame = frame[frame["target"] >= 0]
+    write = frame.to_parquet(out_path, write_index=False, compute=False, write_metadata_file=False,
+                             name_function=lambda i: f"part.{group}.{i}.parquet")
+    return predictions.mesh.client.compute(write)
 
 
 def _advance(bar, marks: deque, more: int, wait: bool) -> None:
