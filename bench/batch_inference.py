@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=0, help="untimed rounds of each pipeline first")
     parser.add_argument("--no-ray", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
@@ -102,6 +103,9 @@ def main(argv=None) -> None:
             local = local_model(mesh, model)
             times = {"mesh": [], "map_partitions": [], "ray": []}
             through = []
+            for r in range(args.warmup):
+                score(mesh, model, paths["score"], os.path.join(root, f"wm{r}"), progress=False)
+                dask_baseline(mesh.client, local, paths["score"], os.path.join(root, f"wd{r}"))
             for r in range(args.rounds):
                 def run_mesh():
                     before = io_bytes()
@@ -124,7 +128,8 @@ def main(argv=None) -> None:
                     break
                 times["ray"].append(t)
     data_bytes = rows * 65 * 4
-    print(f"rows {rows}, workers {args.workers}, rounds {args.rounds}, load {os.getloadavg()[0]:.1f}")
+    print(f"rows {rows}, workers {args.workers}, rounds {args.rounds} (after {args.warmup} untimed), "
+          f"load {os.getloadavg()[0]:.1f}")
     base = statistics.median(times["mesh"])
     print(f"mesh pipeline (from_dask, score, to_dask_dataframe.to_parquet): {rows / base:,.0f} rows/s")
     for name in ("map_partitions", "ray"):
