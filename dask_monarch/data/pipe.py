@@ -222,7 +222,8 @@ def create_pipe(source, mesh: DeviceMesh, *args, dim: str | None = None, batch_s
     """A pipe feeding ``mesh`` (``pipe.recv()`` under ``mesh.activate()``, or anywhere), on the active stream.
 
     **A Dask collection** (``dask.array.Array`` chunked along axis 0, or ``dask.dataframe.DataFrame``): the
-    collection is persisted; the ranks at position i of ``dim`` (S ranks along it; every rank at a position reads
+    collection is persisted (a DataFrame narrowed to the columns read; partitions not computed yet are computed on
+    the worker of the position that reads them, as ``from_dask`` places them); the ranks at position i of ``dim`` (S ranks along it; every rank at a position reads
     the same partitions) read a contiguous run of partitions in order: those whose middle row lies in rows
     ``[i * N / S, (i + 1) * N / S)`` of the N rows. Each batch is
     ``batch_size`` rows, cut across partitions (without ``batch_size``: one batch per partition, which must then
