@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=0, help="untimed rounds of each pipeline first")
     parser.add_argument("--no-ray", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
@@ -102,13 +103,22 @@ def main(argv=None) -> None:
             local = local_model(mesh, model)
             times = {"mesh": [], "map_partitions": [], "ray": []}
             through = []
+            for r in range(args.warmup):
+                score(mesh, model, paths["score"], os.path.join(root, f"wm{r}"), progress=False)
+                dask_baseline(mesh.client, local, paths["score"], os.path.join(root, f"wd{r}"))
             for r in range(args.rounds):
-                before = io_bytes()
-                times["mesh"].append(score(mesh, model, paths["score"], os.path.join(root, f"m{r}"), progress=False)
-                                     ["seconds"])
-                through.append(io_bytes() - before)
-                times["map_partitions"].append(dask_baseline(mesh.client, local, paths["score"],
-                                                             os.path.join(root, f"d{r}")))
+                def run_mesh():
+                    before = io_bytes()
+                    times["mesh"].append(score(mesh, model, paths["score"], os.path.join(root, f"m{r}"),
+                                               progress=False)["seconds"])
+                    through.append(io_bytes() - before)
+
+                def run_baseline():
+                    times["map_partitions"].append(dask_baseline(mesh.client, local, paths["score"],
+                                                                 os.path.join(root, f"d{r}")))
+
+                for run in ((run_mesh, run_baseline) if r % 2 == 0 else (run_baseline, run_mesh)):
+                    run()  # the order alternates from round to round: neither always runs first
         ray_note = None
         if not args.no_ray:
             for r in range(args.rounds):
@@ -118,13 +128,17 @@ def main(argv=None) -> None:
                     break
                 times["ray"].append(t)
     data_bytes = rows * 65 * 4
-    print(f"rows {rows}, workers {args.workers}, rounds {args.rounds}, load {os.getloadavg()[0]:.1f}")
+    print(f"rows {rows}, workers {args.workers}, rounds {args.rounds} (after {args.warmup} untimed), "
+          f"load {os.getloadavg()[0]:.1f}")
     base = statistics.median(times["mesh"])
     print(f"mesh pipeline (from_dask, score, to_dask_dataframe.to_parquet): {rows / base:,.0f} rows/s")
     for name in ("map_partitions", "ray"):
         if times[name]:
             t = statistics.median(times[name])
             print(f"{name}: {rows / t:,.0f} rows/s; mesh / {name} = {t / base:.2f}")
+    paired = [b / m for m, b in zip(times["mesh"], times["map_partitions"])]
+    print(f"mesh / map_partitions per round (the two run back to back): {' '.join(f'{x:.2f}' for x in paired)}; "
+          f"median {statistics.median(paired):.2f}")
     if ray_note:
         print(f"ray: {ray_note}")
     print(f"controller process I/O during the mesh pipeline (median): {statistics.median(through):,} bytes "

@@ -20,8 +20,10 @@ import os
 import sys
 import tempfile
 import time
+from collections import deque
 
 import torch
+from distributed import wait
 
 import dask_monarch as dm
 
@@ -29,39 +31,93 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_digits_pipe import FEATURES, N_TEST, digits_frame, train, write_parquet  # noqa: E402
 
 
-def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progress: bool | None = None) -> dict:
+def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progress: bool | None = None,
+          group: int = 4) -> dict:
     """Read ``data_path`` (Parquet: ``p0``..``p63``, ``target``), score every row with ``model`` on ``mesh``,
     write ``target`` and ``prediction`` to ``out_path`` (Parquet, from the workers). Returns the row count, the
-    accuracy counted on the mesh and the seconds taken."""
+    accuracy counted on the mesh and the seconds taken.
+
+    The partitions come in ``group`` per rank at a time (one ``from_dask`` each): the controller sends a group's
+    scoring without waiting for it, so the workers read and convert the next group (Dask's threads) while the
+    mesh scores this one (the streams' threads). A group whose rows do not split evenly over the ranks is padded
+    with rows of -1 (``from_dask(pad=-1)``), which no digit's target is: they count neither in the rows nor in the
+    accuracy (only the progress bar counts them), and are filtered out before writing."""
     import dask.dataframe as dd
 
     start = time.perf_counter()
     ddf = dd.read_parquet(data_path)
-    # rows of features and target as one float32 tensor per rank, taken where Dask read them
-    rows = dm.from_dask(ddf, mesh, columns=FEATURES + ["target"], dtype=torch.float32, drop_remainder=True)
-    n = rows.shape[0]
-    bar = _bar(n * mesh.size("dp"), progress)
-    predictions, correct = [], 0
-    with mesh.activate(), torch.no_grad():
-        for lo in range(0, n, batch):
-            x, y = rows[lo:lo + batch, :64], rows[lo:lo + batch, 64].long()
-            p = model(x).argmax(dim=1)
-            predictions.append(torch.stack([y, p], dim=1))
-            hits = (p == y).sum().reduce("dp", "sum")
-            with dm.no_mesh.activate():
-                correct += int(dm.fetch_shard(hits).result())  # waits for this slice on every rank
-            if bar is not None:
-                bar.update(x.shape[0] * mesh.size("dp"))
-        out = torch.cat(predictions)
+    ranks = mesh.size("dp")
+    step = group * ranks
+    bar = _bar(progress)
+    marks, writes = deque(), []
+    previous = None  # the predictions of the group before, not yet sent to be written
+    with torch.no_grad():
+        for first in range(0, ddf.npartitions, step):
+            # this group's rows, one float32 block per rank, read and taken where Dask read them (placed there)
+            rows = dm.from_dask(ddf.partitions[first:first + step], mesh, columns=FEATURES + ["target"],
+                                dtype=torch.float32, pad=-1)
+            if previous is not None:  # its snapshot comes next in the mesh's order: Dask writes it meanwhile
+                writes.append(_write(previous, out_path, len(writes)))
+            n = rows.shape[0]
+            with mesh.activate():
+                if previous is None:
+                    correct = torch.zeros((), dtype=torch.int64)  # hits so far, per rank
+                    scored = torch.zeros((), dtype=torch.int64)   # rows so far, per rank (padding left out)
+                predictions, starts, marked = [], range(0, n, batch), 0
+                every = -(-len(starts) // 4)  # a progress mark per quarter of the group
+                for i, lo in enumerate(starts):
+                    x, y = rows[lo:lo + batch, :64], rows[lo:lo + batch, 64].long()
+                    p = model(x).argmax(dim=1)
+                    predictions.append(torch.stack([y, p], dim=1))
+                    correct = correct + (p == y).sum()
+                    if (i + 1) % every == 0 or i + 1 == len(starts):
+                        # not waited for here: the fetch answers once these slices are done on every rank
+                        end = min(lo + batch, n)
+                        marks.append((dm.fetch_shard(correct), (end - marked) * ranks))
+                        marked = end
+                scored = scored + (rows[:, 64] >= 0).sum()
+                previous = torch.cat(predictions)
+            _advance(bar, marks, n * ranks, wait=False)
+        with mesh.activate():
+            totals = torch.stack([correct, scored]).reduce("dp", "sum")
+    writes.append(_write(previous, out_path, len(writes)))
+    _advance(bar, marks, 0, wait=True)
+    correct, total = (int(v) for v in dm.fetch_shard(totals).result())
     if bar is not None:
         bar.close()
-    frame = dm.to_dask_dataframe(out, columns=["target", "prediction"])
-    frame.to_parquet(out_path, write_index=False)
-    total = n * mesh.size("dp")
+    wait(writes, timeout=300.0)
+    for w in writes:
+        w.result()  # raises a write's error
     return {"rows": total, "accuracy": correct / total, "seconds": time.perf_counter() - start}
 
 
-def _bar(total: int, enabled: bool | None):
+def _write(predictions, out_path: str, group: int):
+    """Start writing a group's predictions (their padding left out) to Parquet files ``part.<group>.<i>.parquet``
+    under ``out_path``, from the workers holding them; returns the Dask future of the write.
+
+    ``to_dask_dataframe`` is called after the next group's ``from_dask``: its tasks wait for their snapshots on
+    a Dask thread that the next group's reading needs, and by then the snapshot comes next in the mesh's order."""
+    frame = dm.to_dask_dataframe(predictions, columns=["target", "prediction"])
+    frame = frame[frame["target"] >= 0]
+    write = frame.to_parquet(out_path, write_index=False, compute=False, write_metadata_file=False,
+                             name_function=lambda i: f"part.{group}.{i}.parquet")
+    return predictions.mesh.client.compute(write)
+
+
+def _advance(bar, marks: deque, more: int, wait: bool) -> None:
+    """Move the progress bar past the slices whose fetch answered (all of them, waiting, with ``wait``); its
+    total grows by ``more`` rows (a group just sent)."""
+    if bar is not None and more:
+        bar.total += more
+        bar.refresh()
+    while marks and (wait or marks[0][0].done()):
+        mark, rows = marks.popleft()
+        mark.result()  # this slice is done on every rank
+        if bar is not None:
+            bar.update(rows)
+
+
+def _bar(enabled: bool | None):
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
@@ -70,7 +126,7 @@ def _bar(total: int, enabled: bool | None):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="scoring", unit="row", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=0, desc="scoring", unit="row", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
 
 
 def prepare(root: str, repeat: int, files: int) -> dict:
@@ -90,6 +146,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=200, help="copies of the 1797 digits to score")
     parser.add_argument("--files", type=int, default=16, help="Parquet files of the scoring set")
     parser.add_argument("--batch", type=int, default=8192, help="rows per rank per scoring step")
+    parser.add_argument("--group", type=int, default=4, help="partitions per rank per from_dask")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs before scoring")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args(argv)
@@ -99,7 +156,7 @@ def main(argv=None) -> None:
             model, test_accuracy = train(mesh, paths["train"], paths["test"], args.epochs,
                                          log=lambda line: print(line, flush=True))
             print(f"trained: test_accuracy={test_accuracy:.4f}", flush=True)
-            result = score(mesh, model, paths["score"], paths["predictions"], args.batch, args.progress)
+            result = score(mesh, model, paths["score"], paths["predictions"], args.batch, args.progress, args.group)
             print(f"scored {result['rows']} rows in {result['seconds']:.1f} s "
                   f"({result['rows'] / result['seconds']:,.0f} rows/s), accuracy on the mesh "
                   f"{result['accuracy']:.4f}", flush=True)

@@ -136,6 +136,85 @@ def test_a_chunk_on_its_ranks_worker_does_not_move(mesh, client2):
     assert set(incoming[w1]) & set(chunk_keys) == {chunk_keys[3]}
 
 
+def _incoming(client, workers: dict, before: dict) -> dict:
+    """Worker -> the keys that moved into it since ``before`` (Dask's own transfer log)."""
+    def moved(dask_worker, skip):
+        return [k for entry in list(dask_worker.transfer_incoming_log)[skip:] for k in entry["keys"]]
+
+    return {w: client.run(moved, skip=before[w], workers=[w])[w] for w in workers}
+
+
+def _transfers(client) -> dict:
+    return client.run(lambda dask_worker: len(dask_worker.transfer_incoming_log))
+
+
+def test_partitions_not_yet_computed_are_computed_where_their_rows_are_read(mesh, client2, tmp_path):
+    """A read_parquet of 4 files, not persisted: each file is read on the worker of the rank whose rows it holds
+    (2 per rank), so no partition moves between the workers, for from_dask and for a pipe alike."""
+    df = pd.DataFrame({"x": np.arange(40, dtype=np.float32), "y": np.arange(40)})
+    for i in range(4):
+        df.iloc[10 * i:10 * (i + 1)].to_parquet(tmp_path / f"part.{i}.parquet", index=False)
+    workers = [mesh.workers[0], mesh.workers[1]]
+    before = _transfers(client2)
+    t = dm.from_dask(dd.read_parquet(str(tmp_path)), mesh, columns=["x"])
+    assert fetch(t, dp=1)[:, 0].tolist() == list(range(20, 40))
+    incoming = _incoming(client2, workers, before)
+    assert not [k for w in workers for k in incoming[w] if isinstance(k, tuple)], incoming  # no partition moved
+    before = _transfers(client2)
+    pipe = dm.create_pipe(dd.read_parquet(str(tmp_path)), mesh, batch_size=10, columns=["x"], label="y")
+    assert [fetch(y, dp=1).tolist() for _, y in pipe] == [list(range(20, 30)), list(range(30, 40))]
+    incoming = _incoming(client2, workers, before)
+    assert not [k for w in workers for k in incoming[w] if isinstance(k, tuple)], incoming
+    pipe.close()
+
+
+def test_pad_keeps_every_row(mesh):
+    """7 rows over 2 ranks with pad=-1: 4 rows each, rank 1's last one -1 (every column); pad and drop_remainder
+    together, or a pad the dtype does not hold, raise naming it."""
+    t = dm.from_dask(da.arange(7, chunks=3), mesh, pad=-1)
+    assert tuple(t.shape) == (4,)
+    assert fetch(t, dp=0).tolist() == [0, 1, 2, 3] and fetch(t, dp=1).tolist() == [4, 5, 6, -1]
+    frame = dd.from_pandas(pd.DataFrame({"x": np.arange(5) / 2, "y": np.arange(5)}), npartitions=2)
+    f = dm.from_dask(frame, mesh, pad=-1)
+    assert fetch(f, dp=1).tolist() == [[1.5, 3.0], [2.0, 4.0], [-1.0, -1.0]]
+    with pytest.raises(TypeError, match="drop_remainder=True or pad=, not both"):
+        dm.from_dask(da.arange(7, chunks=3), mesh, pad=0, drop_remainder=True)
+    with pytest.raises(ValueError, match=r"pad=0.5 is not a value of the tensor's dtype int64"):
+        dm.from_dask(da.arange(7, chunks=3), mesh, pad=0.5)
+    with pytest.raises(ValueError, match=r"pad=-1 is not a value of the tensor's dtype uint8"):
+        dm.from_dask(da.arange(7, chunks=3, dtype=np.uint8), mesh, pad=-1)
+    with pytest.raises(TypeError, match="pad must be a number, got 'x'"):
+        dm.from_dask(da.arange(7, chunks=3), mesh, pad="x")
+
+
+def test_blocks_are_taken_off_dask_and_a_bad_conversion_names_its_column(mesh, client2):
+    """Dask holds only each assemble task's row count; the block itself is taken by the rank's stream, so none is
+    left on the workers afterwards. A column that does not convert on the worker raises TypeError naming it."""
+    t = dm.from_dask(da.arange(8, chunks=2), mesh)
+    assert fetch(t, dp=1).tolist() == [4, 5, 6, 7]
+
+    def left(dask_worker):
+        from dask_monarch.worker import imports
+        return len(imports._blocks)
+
+    assert client2.run(left) == {w: 0 for w in (mesh.workers[0], mesh.workers[1])}
+    frame = dd.from_pandas(pd.DataFrame({"a": pd.array([1, None, 3, 4], dtype="Int64"), "b": [1, 2, 3, 4]}),
+                           npartitions=2)
+    with pytest.raises(TypeError, match="column 'a' .dtype Int64. does not convert to int64"):
+        dm.from_dask(frame, mesh, dtype=torch.int64)
+
+
+def test_blocks_nobody_took_go_with_their_session():
+    from dask_monarch.worker import imports
+
+    imports.put("s-1", "tok", 0, np.zeros(3))
+    imports.put("s-2", "tok", 0, np.ones(3))
+    imports.release_session("s-1")
+    assert imports.take("s-1", "tok", 0) is None
+    assert imports.take("s-2", "tok", 0).tolist() == [1.0, 1.0, 1.0]
+    assert imports.take("s-2", "tok", 0) is None  # taken once
+
+
 def test_with_mesh_makes_its_client_the_current_client(client2):
     with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
         assert default_client() is mesh.client

@@ -2,18 +2,21 @@
 DESIGN.md "Decisions": ``from_dask`` / ``to_dask`` move Dask arrays and data frames in place, nothing through the
 controller).
 
-Into the mesh, the controller only plans: it persists the collection, learns each partition's row count and
-holder (``Client.who_has``), and submits one ``assemble`` task per rank pinned to that rank's worker
-(``workers=[address]``, ``allow_other_workers=False``), whose inputs are the partitions (or the pieces of them a
-``rows`` task cut on their holder): Dask itself moves what is held elsewhere worker to worker, and a partition
-already on the rank's worker does not move. A ``CallFunction`` of ``take_block`` then makes the block a tensor
-out of the worker's Dask data. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in the
-mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
+Into the mesh, the controller only plans: it persists the collection (the partitions Dask has yet to compute are
+computed on the workers of the ranks that will read them: a strict ``dask.annotate(workers=...)`` per output
+key), learns each partition's row count (an ``nrows`` task pinned to its holder) and holder, and submits one
+``assemble`` task per rank pinned to that rank's worker (``workers=[address]``, ``allow_other_workers=False``),
+whose inputs are the partitions (or the pieces of them a ``rows`` task cut on their holder): Dask itself moves
+what is held elsewhere worker to worker, and a partition already on the rank's worker does not move. The block
+is left on the worker (``worker/imports.py``, not Dask's data) for a ``CallFunction`` of ``take_block``, which
+makes it a tensor in the mesh's order. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in
+the mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
 """
 
 from __future__ import annotations
 
 import uuid
+import warnings
 
 import numpy as np
 import torch
@@ -23,7 +26,7 @@ from ..controller.mesh import DeviceMesh
 from ..controller.remote import call_on_mesh, function_of
 from ..controller.tensor import Tensor
 from ..worker.exports import RawRef
-from .tasks import TORCH_DTYPES, assemble, frame, numpy_dtype_of, rows, take_export
+from .tasks import TORCH_DTYPES, PartitionHomes, assemble, frame, nrows, numpy_dtype_of, rows, take_export
 
 __all__ = ["from_dask", "to_dask", "to_dask_dataframe", "partitions_of", "mesh_dim"]
 
@@ -101,24 +104,68 @@ def torch_to_numpy(dtype, what: str) -> np.dtype:
         raise TypeError(f"{what}: {e}") from None
 
 
-def partitions_of(collection, client, what: str, timeout: float):
-    """``(persisted, futures, row_counts)``: the collection persisted on the cluster (a no-op for one already
-    persisted), its partitions' futures in row order, and their row counts (from the array's chunks, or a
-    ``len`` task per partition on its holder: only the counts reach the controller). Raises the first
-    partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
-    persisted = client.persist(collection)
+def partitions_of(collection, client, what: str, timeout: float, homes: list | None = None):
+    """``(persisted, futures, row_counts, holders)``: the collection persisted on the cluster (a no-op for one
+    already persisted), its partitions' futures in row order, their row counts (from the array's chunks, or an
+    ``nrows`` task per partition pinned to its holder: only the counts reach the controller), and the workers
+    holding each partition's key (``Client.who_has``'s answer, or the placement below).
+
+    ``homes`` (the workers of the positions that will read the rows, in order) places the partitions Dask has yet
+    to compute: partition j of P is computed on ``homes[(2j + 1) * S // (2P)]`` for S positions (the position
+    holding its middle row when the partitions are of one size), a strict ``dask.annotate(workers=...)``
+    restriction so that work stealing does not move it away: the rows are made where they are read instead of
+    moving there. Raises the first partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
+    persisted, holders = _persist(collection, client, homes)
     futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
+    if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
+        _wait_all(futures, what, timeout)
+        return persisted, futures, [int(c) for c in persisted.chunks[0]], holders
+    if holders is None:
+        _wait_all(futures, what, timeout)
+        holders = client.who_has(futures)
+    counts = [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
+                            key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
+    _wait_all(counts, what, timeout)  # a partition's failure fails its count with that error
+    return persisted, futures, [int(c) for c in client.gather(counts)], holders
+
+
+def _wait_all(futures: list, what: str, timeout: float) -> None:
+    """Wait for ``futures`` (partitions, or tasks of one each) for at most ``timeout`` seconds; raises the first
+    one's failure, or ``TimeoutError`` saying how many were not done."""
     done, pending = wait(futures, timeout=timeout, return_when="ALL_COMPLETED") if futures else ((), ())
     if pending:
         raise TimeoutError(f"{what}: {len(pending)} of {len(futures)} partitions were not computed within {timeout} s")
     for f in futures:
         if f.status == "error":
             f.result()  # raises the partition's own error
-    if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
-        counts = list(persisted.chunks[0])
-    else:
-        counts = client.gather(client.map(len, futures, pure=False))
-    return persisted, futures, [int(c) for c in counts]
+
+
+def _persist(collection, client, homes: list | None):
+    """``(persisted, holders)``: ``collection`` persisted, with each output partition's task restricted to its
+    position's worker when ``homes`` is given (``partitions_of``); ``holders`` maps each output key to that
+    worker (a list of one), or is None when Dask placed them (no ``homes``, or output partitions already
+    computed: a persisted collection stays where it is). A DataFrame is optimized first (``optimize()``: its
+    partitions fused into the tasks whose keys are restricted, so the reading itself happens there)."""
+    import dask
+    from dask.core import flatten
+
+    if not homes:
+        return client.persist(collection), None
+    if _is_dataframe(collection):
+        collection = collection.optimize()
+    keys = list(flatten(collection.__dask_keys__()))
+    if {f.key for f in futures_of(collection)} & set(keys):
+        return client.persist(collection), None
+    size, n = len(homes), len(keys)
+    where = {key: [homes[min(size - 1, (2 * j + 1) * size // (2 * n))]] for j, key in enumerate(keys)}
+    with dask.annotate(workers=PartitionHomes(where), allow_other_workers=False), warnings.catch_warnings():
+        # dask-expr warns that a DataFrame made under annotations ignores them (persist makes one of the futures);
+        # the Client does send them with the graph (Client._graph_to_futures), and the scheduler applies them
+        warnings.filterwarnings("ignore", message="Dask annotations .* detected", category=UserWarning)
+        persisted = client.persist(collection)
+    if {f.key for f in futures_of(persisted)} != set(keys):  # Dask renamed them: it placed them itself
+        return persisted, None
+    return persisted, where
 
 
 def _ranks_along(mesh: DeviceMesh, dim: str) -> dict:
@@ -127,8 +174,26 @@ def _ranks_along(mesh: DeviceMesh, dim: str) -> dict:
     return {r: mesh.processes.coordinates(r)[axis] for r in mesh._rank_list}
 
 
+def position_homes(mesh: DeviceMesh, dim: str) -> list:
+    """The worker of each position along ``dim``, in order: that of the position's first rank (where a
+    partition of the position's rows is best computed; the position's other ranks, over the mesh's other
+    dimensions, get a copy)."""
+    homes = {}
+    for rank, position in _ranks_along(mesh, dim).items():
+        homes.setdefault(position, mesh.workers[rank])
+    return [homes[p] for p in range(mesh.size(dim))]
+
+
+def project(collection, columns):
+    """A DataFrame not yet computed, narrowed to ``columns`` (so that a reader such as ``read_parquet`` reads only
+    those); a persisted one (or one already of those columns) as it is, not copied."""
+    if columns is None or list(collection.columns) == list(columns) or futures_of(collection):
+        return collection
+    return collection[list(columns)]
+
+
 def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
-              drop_remainder: bool = False, timeout: float = 300.0) -> Tensor:
+              drop_remainder: bool = False, pad=None, timeout: float = 300.0) -> Tensor:
     """A remote ``Tensor`` holding ``collection``'s rows, sharded along mesh dimension ``dim`` (issue 15).
 
     ``collection`` is a ``dask.array.Array`` (rows along axis 0; chunks along other axes are merged first) or a
@@ -136,17 +201,25 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     tensor). With N rows and S ranks along ``dim``, the rank at position i of ``dim`` holds rows
     ``[i * N // S, (i + 1) * N // S)`` (replicated over the mesh's other dimensions): every rank's tensor has
     shape ``(N // S, *rest)``. N must divide by S (``ValueError`` naming both), unless ``drop_remainder=True``
-    drops the last ``N % S`` rows. dtype: the array's, or the columns' common numpy dtype (``dtype=`` a torch
+    drops the last ``N % S`` rows, or ``pad=`` a number keeps them all: every rank then holds ``P = ceil(N / S)``
+    rows, position i rows ``[i * P, min((i + 1) * P, N))`` and, after them, rows of ``pad`` (in every column) up to
+    P (so a pad value the data never holds, e.g. a label of -1, tells the padding apart; ``ValueError`` if
+    ``dtype`` cannot hold it). dtype: the array's, or the columns' common numpy dtype (``dtype=`` a torch
     dtype casts); one torch lacks (strings, datetimes, objects) raises ``TypeError`` naming the column.
 
     Nothing passes through the controller: partitions Dask already holds on a rank's worker are taken there; others
-    move worker to worker (Dask's own transfers). The collection is persisted (computed on the cluster) first;
-    the tensor owns its memory (a copy of Dask's chunks, made on the rank's worker). Raises the collection's own
+    move worker to worker (Dask's own transfers). The collection is persisted (computed on the cluster) first,
+    a DataFrame narrowed to the columns taken; partitions not computed yet are computed on the worker of the
+    position holding their middle row (the rows split as if the partitions were of one size), so they need not
+    move. The tensor owns its memory (a copy of Dask's chunks, made on the rank's worker and handed to its
+    stream outside Dask's data, ``worker/imports.py``). Raises the collection's own
     errors, and ``TimeoutError`` if Dask has not placed the rows within ``timeout`` seconds.
     """
     what = "from_dask"
     dim = mesh_dim(mesh, dim, what)
     client = mesh.client
+    if pad is not None and drop_remainder:
+        raise TypeError(f"{what}: pass drop_remainder=True or pad=, not both")
     if _is_array(collection):
         if columns is not None:
             raise TypeError(f"{what}: columns= is for DataFrames; got a dask array")
@@ -166,23 +239,28 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     else:
         raise TypeError(f"{what}: expected a dask.array.Array or a dask.dataframe.DataFrame, got "
                         f"{type(collection).__module__}.{type(collection).__name__}")
-    _, futures, counts = partitions_of(collection, client, what, timeout)
+    if pad is not None:
+        _check_pad(pad, np_dtype, what)
+    collection = project(collection, columns_sent)
+    _, futures, counts, holders = partitions_of(collection, client, what, timeout, homes=position_homes(mesh, dim))
     total = sum(counts)
     size = mesh.size(dim)
-    if total % size and not drop_remainder:
+    if total % size and not drop_remainder and pad is None:
         raise ValueError(
             f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
-            f"drop_remainder=True to drop the last {total % size} rows, or give the collection a multiple of {size}"
+            f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' blocks, "
+            f"or give the collection a multiple of {size}"
         )
-    per_rank = total // size
+    per_rank = -(-total // size) if pad is not None else total // size
     if per_rank == 0:
         raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
-    holders = client.who_has(futures)
+    if holders is None:
+        holders = client.who_has(futures)
     token = uuid.uuid4().hex[:12]
     pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
     starts = np.concatenate([[0], np.cumsum(counts)])
     for position in range(size):
-        lo, hi = position * per_rank, (position + 1) * per_rank
+        lo, hi = position * per_rank, min((position + 1) * per_rank, total)
         pieces = []
         for j, future in enumerate(futures):
             a, b = max(lo, starts[j]), min(hi, starts[j + 1])
@@ -199,11 +277,12 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
         pieces_of[position] = pieces
     positions = _ranks_along(mesh, dim)
     workers = mesh.workers
+    session = mesh._session
     blocks = {}
     for rank, position in positions.items():
-        blocks[rank] = client.submit(assemble, pieces_of[position], columns_sent, np_dtype, workers=[workers[rank]],
-                                     allow_other_workers=False, pure=False,
-                                     key=f"monarch-from_dask-{token}-{rank}")
+        blocks[rank] = client.submit(assemble, session.id, token, rank, pieces_of[position], columns_sent, np_dtype,
+                                     (per_rank, *rest), pad, workers=[workers[rank]], allow_other_workers=False,
+                                     pure=False, key=f"monarch-from_dask-{token}-{rank}")
     done, pending = wait(list(blocks.values()), timeout=timeout)
     if pending:
         late = sorted(r for r, f in blocks.items() if f in pending)
@@ -211,17 +290,28 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     for rank, f in blocks.items():
         if f.status == "error":
             f.result()
-    keys = {rank: f.key for rank, f in blocks.items()}
     torch_dtype = TORCH_DTYPES[np_dtype]
     shape = (per_rank, *rest)
 
-    def shapes(mesh, keys):
+    def shapes(mesh, token):
         return torch.empty(shape, dtype=torch_dtype)
 
-    tensor = call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, keys), {}, mesh=mesh)
-    mesh._session.sync("from_dask").result(timeout=timeout)  # every rank took its block: Dask may let go of it
-    del blocks, pieces_of
-    return tensor
+    # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
+    return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+
+
+def _check_pad(pad, np_dtype: np.dtype, what: str) -> None:
+    """``pad`` must be a number (or bool) that ``np_dtype`` holds exactly (NaN for a float dtype)."""
+    if not isinstance(pad, (bool, int, float, complex, np.number, np.bool_)):
+        raise TypeError(f"{what}: pad must be a number, got {pad!r}")
+    try:
+        with np.errstate(all="ignore"):
+            held = np.array(pad).astype(np_dtype)
+    except (TypeError, ValueError, OverflowError):
+        held = None
+    same = held is not None and (held == pad or (pad != pad and held != held))
+    if not same:
+        raise ValueError(f"{what}: pad={pad!r} is not a value of the tensor's dtype {np_dtype}")
 
 
 def _no_tensors(*args, **kwargs):
@@ -243,12 +333,13 @@ def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
     """
     import dask.array as da
 
-    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, "to_dask")
+    shape, np_dtype, futures, _ = _shard_futures(tensor, dim, timeout, "to_dask")
     return da.concatenate([da.from_delayed(f, shape=shape, dtype=np_dtype) for f in futures], axis=0)
 
 
 def _shard_futures(tensor, dim, timeout: float, what: str):
-    """``(shard shape, numpy dtype, futures)``: the ``take_export`` tasks of ``tensor``'s shards along ``dim``."""
+    """``(shard shape, numpy dtype, futures, ranks)``: the ``take_export`` tasks of ``tensor``'s shards along
+    ``dim``, and the rank of each."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
                         f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
@@ -272,7 +363,7 @@ def _shard_futures(tensor, dim, timeout: float, what: str):
                       allow_other_workers=False, pure=False, key=f"monarch-{what}-{token}-{position}")
         for position, rank in enumerate(ranks)
     ]
-    return tuple(tensor.shape), np_dtype, futures
+    return tuple(tensor.shape), np_dtype, futures, ranks
 
 
 def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, timeout: float = 300.0):
@@ -301,9 +392,11 @@ def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, t
     repeated = sorted({c for c in columns if columns.count(c) > 1}, key=str)
     if repeated:
         raise ValueError(f"{what}: column names must be unique; {repeated} repeated in {columns}")
-    shape, np_dtype, futures = _shard_futures(tensor, dim, timeout, what)
+    shape, np_dtype, futures, ranks = _shard_futures(tensor, dim, timeout, what)
     rows = shape[0]
     client = tensor.mesh.client
-    frames = [client.submit(frame, f, columns, i * rows, pure=False, key=f"{f.key}-frame") for i, f in enumerate(futures)]
+    workers = [tensor.mesh.workers[rank] for rank in ranks]  # each frame made where its shard is
+    frames = [client.submit(frame, f, columns, i * rows, workers=[w], allow_other_workers=True, pure=False,
+                            key=f"{f.key}-frame") for i, (f, w) in enumerate(zip(futures, workers))]
     meta = pd.DataFrame({c: np.empty(0, dtype=np_dtype) for c in columns})
     return dd.from_delayed(frames, meta=meta, divisions=[i * rows for i in range(len(frames))] + [len(frames) * rows - 1])

@@ -25,7 +25,7 @@ from ..controller.stream import get_active_stream
 from ..controller.tensor import Tensor
 from ..protocol import ArgsKwargs, CallFunction, FunctionPath, PipeRecv
 from .collections import _is_array, _is_dataframe, _ranks_along, column_dtype, frame_columns, mesh_dim
-from .collections import partitions_of, torch_to_numpy
+from .collections import partitions_of, position_homes, project, torch_to_numpy
 from .tasks import TORCH_DTYPES, feed_partition
 
 __all__ = ["Pipe", "create_pipe"]
@@ -222,7 +222,8 @@ def create_pipe(source, mesh: DeviceMesh, *args, dim: str | None = None, batch_s
     """A pipe feeding ``mesh`` (``pipe.recv()`` under ``mesh.activate()``, or anywhere), on the active stream.
 
     **A Dask collection** (``dask.array.Array`` chunked along axis 0, or ``dask.dataframe.DataFrame``): the
-    collection is persisted; the ranks at position i of ``dim`` (S ranks along it; every rank at a position reads
+    collection is persisted (a DataFrame narrowed to the columns read; partitions not computed yet are computed on
+    the worker of the position that reads them, as ``from_dask`` places them); the ranks at position i of ``dim`` (S ranks along it; every rank at a position reads
     the same partitions) read a contiguous run of partitions in order: those whose middle row lies in rows
     ``[i * N / S, (i + 1) * N / S)`` of the N rows. Each batch is
     ``batch_size`` rows, cut across partitions (without ``batch_size``: one batch per partition, which must then
@@ -337,7 +338,9 @@ def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefe
             columns_sent = [c for c in columns_sent if c != label]
         np_dtype = column_dtype(source, columns_sent, dtype, what)
         rest = (len(columns_sent),)
-    _, futures, counts = partitions_of(source, mesh.client, what, timeout)
+    if columns_sent is not None:
+        source = project(source, columns_sent + ([label] if label is not None and label not in columns_sent else []))
+    _, futures, counts, _ = partitions_of(source, mesh.client, what, timeout, homes=position_homes(mesh, dim))
     size = mesh.size(dim)
     positions = _ranks_along(mesh, dim)
     by_position = assign(counts, size)

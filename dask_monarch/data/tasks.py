@@ -2,9 +2,10 @@
 so Dask moves their inputs worker to worker, never through the controller) and the remote functions a mesh's
 streams call. Nothing here imports the controller.
 
-* from_dask: ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
-  rows as one numpy array, on the rank's worker), then the remote function ``take_block`` (the block out of the
-  worker's Dask data, as a tensor).
+* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (a partition's row count, on its
+  holder), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
+  rows as one numpy array, on the rank's worker, left in ``worker/imports.py``), then the remote function
+  ``take_block`` (that block as a tensor, on the rank's stream).
 * to_dask: the remote function ``dask_monarch.worker.exports.export`` (a snapshot in the mesh's order), then
   ``take_export`` (the snapshot as the task's result, held by Dask on that worker).
 * pipes: ``feed_partition`` (a partition into the rank's ``CollectionSource``, ``worker/pipe.py``).
@@ -17,7 +18,7 @@ import asyncio
 import numpy as np
 import torch
 
-__all__ = ["TORCH_DTYPES", "numpy_dtype_of", "rows", "assemble", "to_numpy", "take_block", "take_export",
+__all__ = ["TORCH_DTYPES", "PartitionHomes", "numpy_dtype_of", "rows", "block_of", "assemble", "to_numpy", "take_block", "take_export",
            "feed_partition", "frame", "nrows"]
 
 #: numpy dtype -> torch dtype (what ``torch.from_numpy`` accepts)
@@ -59,45 +60,97 @@ def rows(part, start: int, stop: int):
     return part[start:stop] if isinstance(part, np.ndarray) else part.iloc[start:stop]
 
 
-def to_numpy(part, columns, dtype: np.dtype) -> np.ndarray:
-    """A partition as a numpy array of ``dtype``: a pandas DataFrame's ``columns`` as a 2-D array (rows x
-    columns), or a numpy chunk as it is. A column that does not convert (missing values in an integer column,
-    strings) raises ``TypeError`` naming it."""
+def to_numpy(part, columns, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """A partition as a numpy array of ``dtype``: a pandas DataFrame's ``columns`` as a new C-ordered 2-D array
+    (rows x columns; written into ``out`` if given; never the DataFrame's own memory), or a numpy chunk as it is.
+    The columns convert in one pass (``DataFrame.to_numpy``, which interleaves pandas' column blocks); a column
+    that does not convert (missing values in an integer column, strings) raises ``TypeError`` naming it."""
     if columns is None:
         return np.asarray(part, dtype=dtype)
-    out = np.empty((len(part), len(columns)), dtype=dtype)
-    for i, name in enumerate(columns):
+    try:
+        values = part[columns].to_numpy(dtype=dtype, copy=False)
+    except (TypeError, ValueError):
+        _check_columns(part, columns, dtype)  # raises naming the column
+        raise
+    if out is not None:
+        out[...] = values
+        return out
+    if values.flags.owndata and values.flags.c_contiguous:
+        return values  # made by the conversion (several blocks interleaved): nobody else holds it
+    return np.array(values, dtype=dtype, order="C", copy=True)
+
+
+def _check_columns(part, columns, dtype: np.dtype) -> None:
+    """Convert ``part``'s ``columns`` one by one to ``dtype``: ``TypeError`` naming the first that fails."""
+    for name in columns:
         try:
-            out[:, i] = part[name].to_numpy(dtype=dtype)
+            part[name].to_numpy(dtype=dtype)
         except (TypeError, ValueError) as e:
             raise TypeError(f"column {name!r} (dtype {part[name].dtype}) does not convert to {dtype}: {e}") from None
-    return out
 
 
-def assemble(pieces: list, columns, dtype: np.dtype) -> np.ndarray:
-    """A rank's block: its ``pieces`` (partitions or parts of them, in row order, already moved here by Dask)
-    as one new numpy array of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may
-    write into what it holds)."""
-    arrays = [to_numpy(p, columns, dtype) for p in pieces]
-    if len(arrays) == 1:
-        return np.array(arrays[0], dtype=dtype, copy=True, order="C")
-    return np.ascontiguousarray(np.concatenate(arrays, axis=0))
+def block_of(pieces: list, columns, dtype: np.dtype, shape: tuple | None = None, pad=None) -> np.ndarray:
+    """A rank's block: its ``pieces`` (partitions or parts of them, in row order) as one new C-ordered numpy array
+    of ``dtype`` (always a copy: Dask's own chunks are never handed to the mesh, which may write into what it
+    holds); with ``shape`` (more rows than the pieces have), the rows after them are ``pad``."""
+    rows = sum(len(p) for p in pieces)
+    if shape is None:
+        shape = (rows, len(columns)) if columns is not None else (rows, *np.shape(pieces[0])[1:])
+    block = np.empty(shape, dtype=dtype)
+    start = 0
+    for p in pieces:  # each piece written straight into the block: one copy
+        if columns is not None:
+            to_numpy(p, columns, dtype, out=block[start:start + len(p)])
+        else:
+            block[start:start + len(p)] = p
+        start += len(p)
+    if start < len(block):
+        block[start:] = pad
+    return block
 
 
-def take_block(mesh, keys: dict):
-    """On a stream's thread: this rank's block, the result of its ``assemble`` task in this worker's Dask data
-    (``distributed.get_worker().data``), as a tensor sharing its memory (``torch.from_numpy``). ``keys`` maps
-    each global rank to the key of its block."""
+def assemble(session_id: str, token: str, rank: int, pieces: list, columns, dtype: np.dtype,
+             shape: tuple | None = None, pad=None) -> int:
+    """The Dask task (pinned to rank ``rank``'s worker, its ``pieces`` already moved here by Dask) that builds the
+    rank's block (``block_of``; ``shape`` and ``pad`` for a padded one) and leaves it on this worker for
+    ``take_block`` (``worker/imports.py``), if the session lives here. Returns the block's row count (all that
+    Dask holds). Raises a conversion's ``TypeError`` naming the column."""
     from distributed import get_worker
 
-    key = keys[mesh.me]
-    data = get_worker().data
-    try:
-        array = data[key]
-    except KeyError:
-        raise RuntimeError(f"from_dask: the block {key!r} of rank {mesh.me} is not in this worker's Dask data "
-                           "(it was released before the mesh took it)") from None
-    return torch.from_numpy(array)
+    from ..worker import imports
+    from ..worker.plugin import PLUGIN_NAME
+
+    block = block_of(pieces, columns, dtype, shape, pad)
+    plugin = get_worker().plugins.get(PLUGIN_NAME)
+    if plugin is not None and session_id in plugin.sessions:  # else the session ended here: nobody will take it
+        imports.put(session_id, token, rank, block)
+    return len(block)
+
+
+def take_block(mesh, token: str):
+    """On a stream's thread: this rank's block of the ``from_dask`` call ``token`` (left by its ``assemble``
+    task, which the controller saw finish before sending this), as a tensor owning that array's memory
+    (``torch.from_numpy``). ``RuntimeError`` if it is not on this worker."""
+    from ..worker import imports
+    from ..worker.context import current_stream
+
+    block = imports.take(current_stream().tw.session_id, token, mesh.me)
+    if block is None:
+        raise RuntimeError(f"from_dask: the block of rank {mesh.me} (call {token}) is not on this worker (its "
+                           "assemble task ran elsewhere, or it was taken already)")
+    return torch.from_numpy(block)
+
+
+class PartitionHomes:
+    """A ``workers`` annotation (``dask.annotate``; Dask calls it with each task's key, on the scheduler): the
+    worker a partition's key is to be computed on (a list of one address), or ``[]`` (no restriction) for the
+    graph's other keys."""
+
+    def __init__(self, where: dict):
+        self.where = where
+
+    def __call__(self, key) -> list:
+        return self.where.get(key, [])
 
 
 async def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:

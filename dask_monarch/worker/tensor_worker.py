@@ -63,7 +63,7 @@ from .errors import FatalError
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
 from .process_group import ProcessGroups, unregister
-from . import exports, pipe
+from . import exports, imports, pipe
 from .recording import Definitions
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
@@ -317,6 +317,7 @@ class TensorWorker(CommHandlers):
             mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
         pipe.release_session(self.session_id)
         exports.release_session(self.session_id)
+        imports.release_session(self.session_id)
         self.streams = {}
         self.device_meshes = {}
         self.borrows = {}
