@@ -330,3 +330,6 @@ def test_pipe_bad_arguments(mesh):
         dm.create_pipe(_counting, mesh, mesh, 2, batch_size=3)
     with pytest.raises(KeyError, match="label column 'z'"):
         dm.create_pipe(dd.from_pandas(pd.DataFrame({"x": [1.0, 2.0]}), npartitions=1), mesh, label="z")
+    small = dd.from_pandas(pd.DataFrame({"x": np.arange(6.0)}), npartitions=2)  # 3 rows per position
+    with pytest.raises(ValueError, match=r"gets 3 rows .* fewer than batch_size=4: the pipe would have no batch"):
+        dm.create_pipe(small, mesh, batch_size=4)

@@ -231,7 +231,8 @@ def create_pipe(source, mesh: DeviceMesh, *args, dim: str | None = None, batch_s
     DataFrame's ``columns`` (default: its numeric columns except ``label``) as a ``(rows, columns)`` tensor of
     ``dtype`` (default their common dtype); with ``label=`` a column name, a batch is ``(x, y)``, ``y`` that
     column as a 1-D tensor. ``len(pipe)`` is the smallest number of full batches over the positions; rows past
-    it are not delivered; ``recv`` past it raises ``StopIteration``.
+    it are not delivered; ``recv`` past it raises ``StopIteration``; a position without one full batch raises
+    ``ValueError`` naming it and its rows.
 
     **A generator function** ``source(*args, **kwargs)`` (an iterable of tensors or pytrees of them) runs on a
     thread of its own on every rank (a ``DeviceMesh`` argument arrives as the worker's mesh:
@@ -354,6 +355,14 @@ def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefe
     else:
         length = min(sum(counts[j] for j in by_position[p]) // batch_size for p in range(size))
         rows = batch_size
+    if length == 0:  # a pipe without a batch: recv() would end at once, which reads like a bug in the loop
+        fewest = min(range(size), key=lambda p: sum(counts[j] for j in by_position[p]))
+        have = sum(counts[j] for j in by_position[fewest])
+        raise ValueError(
+            f"{what}: position {fewest} of dimension {dim!r} gets {have} rows in {len(by_position[fewest])} "
+            f"partition(s), " + (f"fewer than batch_size={batch_size}" if batch_size is not None else "no batch")
+            + ": the pipe would have no batch (pass a smaller batch_size, or repartition the collection)"
+        )
     device = None if device is None else torch.device(device)
     specs = [((rows, *rest), TORCH_DTYPES[np_dtype], device or torch.device("cpu"))]
     if label is not None:
