@@ -392,3 +392,20 @@ def test_constructor_keywords_named_like_client_submits_own_reach_the_constructo
     """``key=`` and ``workers=`` are ``Client.submit``'s keywords too; spawn passes them to the class."""
     keyed = mesh.spawn(Keyed, key="mine", workers=3)
     assert keyed.get.call().result(timeout=TIMEOUT) == [("mine", 3), ("mine", 3)]
+
+
+def test_a_class_or_constructor_argument_that_cannot_be_pickled_fails_spawn_naming_it(mesh):
+    """Instead of Dask's ``Could not serialize object of type LLGExpr`` (and its logged traceback), spawn raises
+    ``TypeError`` naming the class, or the argument that cannot be pickled; nothing is submitted, the mesh goes on."""
+    import threading
+
+    class HoldsALock:
+        lock = threading.Lock()
+
+    with pytest.raises(TypeError, match=r"spawn: the class .*HoldsALock cannot be pickled .*_thread\.lock"):
+        mesh.spawn(HoldsALock)
+    with pytest.raises(TypeError, match=r"spawn: Keyed's constructor keyword 'workers' \(a lock\) cannot be pickled"):
+        mesh.spawn(Keyed, "mine", workers=threading.Lock())
+    with pytest.raises(TypeError, match=r"spawn: Keyed's constructor argument 0 \(a lock\) cannot be pickled"):
+        mesh.spawn(Keyed, threading.Lock())
+    assert mesh.spawn(Keyed, key="after").get.call().result(timeout=TIMEOUT) == [("after", None), ("after", None)]

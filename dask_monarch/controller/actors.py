@@ -30,6 +30,7 @@ import itertools
 import re
 import time
 
+import cloudpickle
 import dask
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -113,7 +114,7 @@ def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
     client = session.client
     # the class travels as remote() functions do (by path, or by value keeping its file names for tracebacks),
     # and the constructor's arguments as a tuple and a dict, so no keyword of the class clashes with submit's own
-    cls_function = function_of(cls)
+    cls_function = _picklable_parts(cls, args, kwargs)
     futures = {}
     try:
         for rank in mesh._rank_list:
@@ -131,6 +132,29 @@ def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
     held = list(futures.values()) + [p._future for p in proxies if getattr(p, "_future", None) is not None]
     session.actor_futures.extend(held[len(futures):])
     return ActorMesh(mesh, cls, base, held, proxies)
+
+
+def _picklable_parts(cls, args: tuple, kwargs: dict):
+    """``function_of(cls)``, after checking that it and the constructor's arguments pickle: ``TypeError`` naming
+    the class or the argument that does not (instead of Dask's ``Could not serialize object of type LLGExpr``
+    and its logged traceback at submit)."""
+    try:
+        cls_function = function_of(cls)
+    except Exception as e:
+        raise TypeError(f"spawn: the class {cls.__qualname__} cannot be pickled to reach the workers: "
+                        f"{type(e).__name__}: {e}") from e
+    try:
+        cloudpickle.dumps((args, kwargs))
+    except Exception:
+        named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"keyword {k!r}", v) for k, v in kwargs.items()]
+        for where, value in named:
+            try:
+                cloudpickle.dumps(value)
+            except Exception as e:
+                raise TypeError(f"spawn: {cls.__qualname__}'s constructor {where} (a {type(value).__name__}) cannot "
+                                f"be pickled to reach the workers: {type(e).__name__}: {e}") from e
+        raise
+    return cls_function
 
 
 def _wait_constructed(session, cls, futures: dict) -> None:
