@@ -228,11 +228,14 @@ class Session(Transport, Bookkeeping, Liveness):
                 return
             self.failure = error
             waiters, self._waiters = self._waiters, []
-        if getattr(self.client, "status", None) not in ("closing", "closed"):  # else the program closed its own
-            logger.error("%s", error)  # Client under the session: the workers' "controller disconnected" is no news
+        # the program closed its own Client under the session: its end is no news (here, nor on the workers, which
+        # get a clean Exit, and whose end by "controller disconnected" the scheduler marks as the owner leaving)
+        owner_closed = getattr(self.client, "status", None) in ("closing", "closed")
+        if not owner_closed:
+            logger.error("%s", error)
         for _, future, _ in waiters:
             future._set(error=error)
-        self._exit_remote(str(error))
+        self._exit_remote(None if owner_closed else str(error))
         # and through the scheduler: fail rendezvous still waiting in this session, and end it on every worker
         # around its inbox (a rank building a communicator with a lost peer does not read its inbox)
         scheduler, reason = self.client.scheduler, str(error)[:2000]

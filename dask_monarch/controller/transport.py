@@ -425,12 +425,12 @@ class Transport:
         """Every rank's ``FetchResult`` of ``seq`` (an actor call asks several): ``{rank: FetchResult}``."""
         return self._fetch_results.pop(seq, None) or {}
 
-    def _exit_remote(self, reason: str) -> None:
+    def _exit_remote(self, reason: str | None) -> None:
         """Best effort, no wait: ``Exit`` with an error to every rank whose worker is still there, so that peers
         release their communicators (a stream blocked in a collective with the failed rank errors out) and the
-        session's threads and tensors are freed."""
+        session's threads and tensors are freed. ``reason`` None: a clean ``Exit`` (nothing failed there)."""
         with self.lock:
-            blob = dumps([Exit((None, reason[:2000]))])
+            blob = dumps([Exit(None if reason is None else (None, reason[:2000]))])
             for rank, address in enumerate(self.workers):
                 bseq = self._batch_seq[rank]
                 self._batch_seq[rank] = bseq + 1

@@ -123,24 +123,27 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         if info is not None:
             info.setdefault("streams", {})[str(stream)] = str(name)
 
-    async def session_close(self, session_id: str, reason: str | None = None) -> int:
+    async def session_close(self, session_id: str, reason: str | None = None, owner_left: bool = False) -> int:
         """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank
         blocked building a communicator with a lost peer stops now), and end it on its workers where it is
         still open (after a clean exit it is not: nothing happens there). Ending goes around the session's
-        inbox, which a rank blocked in comm setup does not read. Returns the number of keys deleted."""
+        inbox, which a rank blocked in comm setup does not read. ``owner_left``: the session ends because its
+        controller's Client disconnected (the workers log that as an end, not as a failure of theirs). Returns the
+        number of keys deleted."""
         info = self.sessions.pop(session_id, None)
         if info is not None:
             self.ended[session_id] = {**info, "ended": time.time(), "reason": reason}
             while len(self.ended) > ENDED_KEPT:
                 self.ended.pop(next(iter(self.ended)))
-            self._end_on_workers(session_id, info, reason or "the controller ended the session")
+            self._end_on_workers(session_id, info, reason or "the controller ended the session", owner_left)
         return await self.kv.abort(f"{session_id}/")
 
-    def _end_on_workers(self, session_id: str, info: dict, reason: str) -> None:
+    def _end_on_workers(self, session_id: str, info: dict, reason: str, owner_left: bool = False) -> None:
         for address in info["workers"]:
             if address in self.scheduler.workers:
                 self.scheduler.worker_send(
-                    address, {"op": END_SESSION_OP, "session_id": session_id, "reason": reason}
+                    address, {"op": END_SESSION_OP, "session_id": session_id, "reason": reason,
+                              "owner_left": owner_left}
                 )
 
     def worker_ages(self, workers: list) -> dict:
@@ -179,4 +182,5 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         they held (threads, tensors, communicators) outlives it, and drop their rendezvous keys."""
         for session_id, info in list(self.sessions.items()):
             if info["client"] == client:
-                asyncio.ensure_future(self.session_close(session_id, f"the controller ({client}) disconnected"))
+                asyncio.ensure_future(self.session_close(session_id, f"the controller ({client}) disconnected",
+                                                         owner_left=True))

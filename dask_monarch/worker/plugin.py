@@ -73,9 +73,11 @@ class MonarchWorkerPlugin(WorkerPlugin):
         """Handler ``monarch_channel``: serve a session's answer channel on ``comm`` (``worker/channel.py``)."""
         await serve(self, comm, params)
 
-    def end_session(self, session_id: str, reason: str) -> None:
+    def end_session(self, session_id: str, reason: str, owner_left: bool = False) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
-        session here, on a thread, since closing joins the session's threads."""
+        session here, on a thread, since closing joins the session's threads. ``owner_left``: its controller's
+        Client disconnected (a program that closed its own Client, or one that died): logged as an end, not an
+        error of this worker."""
         tw = self.sessions.get(session_id)
         if tw is None:
             # not (or no longer) running here: remember it as ended, so a batch still on its way (the session's
@@ -88,7 +90,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
                     return
 
         def end():
-            tw.fail(reason)
+            tw.fail(reason, owner_left=owner_left)
             tw.close(join_timeout=1.0)
 
         threading.Thread(target=end, name=f"monarch-{session_id[:8]}-end", daemon=True).start()

@@ -270,18 +270,22 @@ class TensorWorker(CommHandlers):
         with self._cond:
             self._cond.wait_for(lambda: self.closed or self.failure is not None)
 
-    def fail(self, text: str) -> None:
+    def fail(self, text: str, owner_left: bool = False) -> None:
         """Fail the session on this worker (class F): report ``SessionFailed`` once, stop applying messages, and
         abort the communicators (``Comms.abort``), so that a collective waiting here or on a peer errors out now
         instead of at ``comm_timeout``. Closing the inbox wakes the dispatcher, which then stops the session
-        (``close``)."""
+        (``close``). ``owner_left``: the controller's Client disconnected; logged as the session's end (WARNING)
+        rather than as a failure (ERROR)."""
         with self._cond:
             if self.failure is not None:
                 return
             self.failure = text
             self.report(SessionFailed(WorkerError(text, self.actor_id)))
             self._cond.notify_all()
-        logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
+        if owner_left:
+            logger.warning("dask_monarch session %s rank %d ended: %s", self.session_id, self.rank, text)
+        else:
+            logger.error("dask_monarch session %s rank %d failed: %s", self.session_id, self.rank, text)
         self.comms.abort(f"the session failed on rank {self.rank}: {text[:500]}")
         self.inbox.close()
 
