@@ -38,6 +38,13 @@ def _answer(msg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ Dask comm way
+def _deliver(cond, inbox: list, msg) -> None:
+    """Hand ``msg`` (None: the connection ended) to the answering thread waiting on ``cond``."""
+    with cond:
+        inbox.append(msg)
+        cond.notify()
+
+
 def _serve_comm(ready) -> None:
     from distributed.comm import listen
     from distributed.utils import LoopRunner
@@ -55,14 +62,9 @@ def _serve_comm(ready) -> None:
         comms.append(comm)
         try:
             while True:
-                msg = await comm.read()
-                with cond:
-                    inbox.append(msg)
-                    cond.notify()
+                _deliver(cond, inbox, await comm.read())
         except Exception:
-            with cond:
-                inbox.append(None)
-                cond.notify()
+            _deliver(cond, inbox, None)
 
     def write(answer):
         task = asyncio.ensure_future(comms[0].write(answer))
@@ -165,14 +167,9 @@ def _serve_socket(ready) -> None:
     def reader():
         try:
             while True:
-                msg = _recv(conn)
-                with cond:
-                    inbox.append(msg)
-                    cond.notify()
+                _deliver(cond, inbox, _recv(conn))
         except Exception:
-            with cond:
-                inbox.append(None)
-                cond.notify()
+            _deliver(cond, inbox, None)
 
     threading.Thread(target=reader, daemon=True).start()
     while True:  # the answering thread

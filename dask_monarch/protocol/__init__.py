@@ -7,6 +7,7 @@ from .refs import Ref, Seq, StreamRef
 from .slice import Slice, SliceError
 from .types import ArgsKwargs, Factory, PickledValue, ProtocolError, Reduction, StreamCreationMode, UniqueId, WorkerError
 from .wire_value import WireValue
+from . import tensor_bytes  # noqa: F401  (importing it fills torch's layout cache: see its docstring)
 
 __all__ = [
     "ArgsKwargs",

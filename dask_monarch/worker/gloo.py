@@ -110,22 +110,31 @@ def shutdown_connections(own, peers) -> int:
     """Shut down (both ways) every connected TCP socket of this process whose local address is ``own`` (a
     ``(ip, port)``: a peer connected to this rank's listener) or whose remote address is one of ``peers`` (this
     rank connected to theirs): the pairs of one gloo group. Returns how many were shut down."""
-    peers = {tuple(p) for p in peers if p}
     count = 0
-    for fd in _socket_fds():
-        info = _inspect(fd)
-        if info is None:
-            continue
-        listening, local, remote, dup = info
+    for _, dup in _group_connections(own, peers):
         try:
-            if not listening and remote is not None and (local == own or remote in peers):
-                dup.shutdown(socket.SHUT_RDWR)
-                count += 1
+            dup.shutdown(socket.SHUT_RDWR)
+            count += 1
         except OSError:
             pass
         finally:
             dup.close()
     return count
+
+
+def _group_connections(own, peers):
+    """``(fd, dup)`` for each connected TCP socket of this process that belongs to the gloo group of ``own`` and
+    ``peers`` (see ``shutdown_connections``); ``dup`` is a duplicate of it that the caller closes."""
+    peers = {tuple(p) for p in peers if p}
+    for fd in _socket_fds():
+        info = _inspect(fd)
+        if info is None:
+            continue
+        listening, local, remote, dup = info
+        if not listening and remote is not None and (local == own or remote in peers):
+            yield fd, dup
+        else:
+            dup.close()
 
 
 def _identity(fd: int) -> str | None:
@@ -145,18 +154,12 @@ def group_sockets(own, peers) -> list[tuple[int, str]]:
     down later even once their peer is gone: a socket whose peer reset it has no remote address left, so
     ``shutdown_connections`` no longer recognizes it, while an op posted on it may wait until the group's
     timeout. Linux only (elsewhere empty)."""
-    peers = {tuple(p) for p in peers if p}
     found = []
-    for fd in _socket_fds():
-        info = _inspect(fd)
-        if info is None:
-            continue
-        listening, local, remote, dup = info
+    for fd, dup in _group_connections(own, peers):
         dup.close()
-        if not listening and remote is not None and (local == own or remote in peers):
-            identity = _identity(fd)
-            if identity is not None:
-                found.append((fd, identity))
+        identity = _identity(fd)
+        if identity is not None:
+            found.append((fd, identity))
     return found
 
 
