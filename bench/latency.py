@@ -19,6 +19,7 @@ import time
 import torch
 
 import dask_monarch as dm
+from dask_monarch.cluster import cluster_workers
 
 TARGET_MS = 1.0
 
@@ -55,7 +56,7 @@ def bench_mesh(mesh, n: int) -> dict:
 
 def bench_baseline(client, n: int) -> dict:
     """Dask's ``client.run`` of ``os.getpid`` on one worker, the same way timed."""
-    worker = sorted(client.scheduler_info()["workers"])[0]
+    worker = sorted(cluster_workers(client))[0]
     return _rounds(lambda: client.run(os.getpid, workers=[worker]), n)
 
 

@@ -36,6 +36,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
+from dask_monarch.cluster import cluster_workers
 
 MIB = 2**20
 
@@ -224,7 +225,7 @@ def lost_answer(client) -> None:
         time.sleep(0.05)
     victim = mesh.workers[1]
     os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-    while victim in client.scheduler_info()["workers"]:
+    while victim in cluster_workers(client):
         time.sleep(0.05)
     killed.set()
     start = time.monotonic()

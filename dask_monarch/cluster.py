@@ -161,13 +161,21 @@ def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
                                     name="dask_monarch")
 
 
+def cluster_workers(client, timeout: float = 30.0) -> dict:
+    """The scheduler's workers now, ``{address: info}``, asked of the scheduler (bounded by ``timeout`` seconds).
+    Not ``client.scheduler_info()["workers"]``: that returns the Client's cached identity, which the Client's own
+    periodic update (every ``scheduler-info-interval``, totals only) may overwrite between the fetch and the return,
+    leaving it without workers."""
+    return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
+
+
 def wait_for_workers(cluster: SpecCluster, client, n: int, timeout: float) -> None:
     """Wait until ``n`` workers of ``cluster`` (``start_local_cluster``) have joined, at most ``timeout``
     seconds. Raises ``RuntimeError`` at once if a worker process exits first (its output, above, says why), and
     ``TimeoutError`` naming how many joined."""
     deadline = time.monotonic() + timeout
     while True:
-        joined = len(client.scheduler_info()["workers"])
+        joined = len(cluster_workers(client, timeout))
         if joined >= n:
             return
         exited = {name: w.process.returncode for name, w in list(cluster.workers.items())

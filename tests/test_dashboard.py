@@ -16,6 +16,7 @@ import torch
 from distributed.utils import key_split
 
 import dask_monarch as dm
+from dask_monarch.cluster import cluster_workers
 from dask_monarch import RemoteException
 from dask_monarch.controller.task_keys import KINDS, parse_task_key, session_tag, task_key
 from dask_monarch.dashboard.data import NO_SESSION, RANK_COLUMNS, DashboardData, format_bytes, mesh_coords
@@ -255,7 +256,7 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
         assert s["last_error"]["seq"] > 0 and "boom from the dashboard test" in s["last_error"]["text"]
 
     # Prometheus, on each worker's /metrics
-    for address, info in client2.scheduler_info()["workers"].items():
+    for address, info in cluster_workers(client2).items():
         port = info["services"]["dashboard"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         rank = 0 if mesh.workers[0] == address else 1

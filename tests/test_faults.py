@@ -22,6 +22,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
+from dask_monarch.cluster import cluster_workers
 from conftest import _cli_cluster, _free_port
 
 TIMEOUT = 120
@@ -122,7 +123,7 @@ def test_a_result_lost_before_the_controller_collected_it_fails_only_that_sessio
         assert wait_until(lambda: all(f.status == "finished" for f in future.futures), 60)
         victim_pid = client.run(os.getpid, workers=[victim])[victim]
         os.kill(victim_pid, signal.SIGKILL)
-        assert wait_until(lambda: victim not in client.scheduler_info()["workers"], 60)
+        assert wait_until(lambda: victim not in cluster_workers(client), 60)
         killed.set()
         start = time.monotonic()
         with pytest.raises(dm.SessionError, match=rf"answers of rank 1 \({victim}, [^)]*\) were lost"):
@@ -189,7 +190,7 @@ def test_after_a_restart_no_worker_holds_the_session(fixed_port_cli_cluster, cli
     restarting.join(90)
     mesh.exit()
     client.wait_for_workers(2, timeout=60)
-    assert sorted(client.scheduler_info()["workers"]) == sorted(mesh.workers.values())  # same addresses
+    assert sorted(cluster_workers(client)) == sorted(mesh.workers.values())  # same addresses
     assert wait_until(lambda: holds_nothing(client), 30), client.run(_state_probe())
     works(client)
     assert wait_until(lambda: holds_nothing(client), 30), client.run(_state_probe())

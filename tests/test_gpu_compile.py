@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dask_monarch.cluster import cluster_workers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -33,7 +34,7 @@ def gpu_client():
 
 @pytest.fixture
 def mesh(gpu_client):
-    m = dm.attach(gpu_client, dims={"gpu": 1}, comm_timeout=120, workers=[sorted(gpu_client.scheduler_info()["workers"])[0]])
+    m = dm.attach(gpu_client, dims={"gpu": 1}, comm_timeout=120, workers=[sorted(cluster_workers(gpu_client))[0]])
     yield m
     try:
         m.exit()

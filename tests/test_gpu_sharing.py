@@ -55,7 +55,7 @@ def test_attach_refuses_workers_that_would_share_a_gpu_before_opening_the_sessio
         return {"uuid": "GPU-5c3e", "name": H200, "index": 0}
 
     monkeypatch.setattr(attach_module, "gpu_of_worker", same_gpu)
-    workers = sorted(client2.scheduler_info()["workers"])
+    workers = sorted(embedded.cluster_workers(client2))
     with pytest.raises(ValueError) as info:
         dm.attach(client2, dims={"dp": 2})
     text = str(info.value)

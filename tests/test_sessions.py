@@ -72,6 +72,26 @@ def test_two_sessions_are_isolated(client2):
         b.exit()  # the failure was already raised by the fetch: exit only cleans up
 
 
+def test_attach_sees_every_worker_while_the_client_refreshes_its_cached_identity(client2):
+    # the Client's periodic identity update (totals only) can overwrite client.scheduler_info()'s fresh answer
+    # before it returns: a 4-worker attach once failed with "the cluster has no workers" right after
+    # wait_for_workers(4). A 2 ms update interval makes that race frequent (about 1 call in 20 here).
+    from distributed import Client
+
+    from dask_monarch.cluster import cluster_workers
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "2ms"}):
+        with Client(client2.scheduler.address, set_as_default=False) as client:
+            counts = [len(cluster_workers(client)) for _ in range(300)]
+            assert counts == [2] * 300
+            for _ in range(3):
+                mesh = dm.attach(client, dims={"workers": 2}, comm_timeout=60)
+                try:
+                    assert sorted(mesh.workers.values()) == sorted(cluster_workers(client))
+                finally:
+                    mesh.exit()
+
+
 def test_two_sessions_from_two_threads(client2):
     results = {}
 

@@ -14,7 +14,7 @@ import uuid
 from distributed import Client
 from distributed.comm import get_address_host_port
 
-from ..cluster import default_worker_count, start_local_cluster, wait_for_workers
+from ..cluster import cluster_workers, default_worker_count, start_local_cluster, wait_for_workers
 from ..protocol import Slice
 from ..scheduler import MonarchSchedulerPlugin
 from ..worker import MonarchWorkerPlugin
@@ -213,17 +213,17 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 try:
                     client.wait_for_workers(want, timeout=timeout)
                 except TimeoutError:
-                    have = len(client.scheduler_info()["workers"])
+                    have = len(cluster_workers(client, timeout))
                     raise TimeoutError(
                         f"dims {dict(zip(names, sizes))} need {want} workers, but the cluster has {have} "
                         f"after waiting {timeout:g} s (timeout=)"
                     ) from None
-            available = sorted(client.scheduler_info()["workers"], key=_sort_key)
+            available = sorted(cluster_workers(client, timeout), key=_sort_key)
             if not available:
                 raise ValueError("the cluster has no workers")
             workers = available[: want or len(available)]
         else:
-            known = set(client.scheduler_info()["workers"])
+            known = set(cluster_workers(client, timeout))
             unknown = [w for w in workers if w not in known]
             if unknown:
                 raise ValueError(f"workers: {unknown} are not workers of this cluster; it has {sorted(known)}")
