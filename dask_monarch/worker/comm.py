@@ -148,14 +148,21 @@ class Comms:
         (which must start with ``key``); released with the session's others."""
         return self._new_group(prefix, members)
 
-    def post(self, what: str, start):
+    def post(self, what: str, start, group=None):
         """``start()`` (which posts operations on the session's groups and returns their works), unless the session
         has stopped: then ``CommError``. Under the lock that ``shutdown``/``abort`` take to stop, so an operation is
         either refused or posted before the groups' connections are shut down (which then fails it): a gloo
-        send posted on a pair already shut down would wait for ``comm_timeout``."""
+        send posted on a pair already shut down would wait for ``comm_timeout``. With ``group`` (gloo), also
+        ``CommError`` if gloo already closed one of its connections (a peer aborted or left): a send posted there
+        after the peer's receive was announced waits for ``comm_timeout``, and no abort can wake it."""
         with self._lock:
             if self.stopped.is_set():
                 raise CommError(f"{what} abandoned: {self.stop_reason}")
+            if group is not None and self.backend == "gloo":
+                for g, addresses in zip(self.groups, self._gloo_addresses):
+                    if g is group and gloo.closed_sockets(addresses[2]):
+                        raise CommError(f"{what} abandoned: a connection of its gloo group was closed (a peer "
+                                        "aborted or left)")
             return start()
 
     def release(self, group) -> None:

@@ -27,7 +27,7 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
+__all__ = ["closed_sockets", "create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
 
 _lock = threading.Lock()  # one device at a time per process, so that a new listening socket is that device's
 
@@ -183,3 +183,8 @@ def shutdown_sockets(sockets) -> int:
         finally:
             dup.close()
     return count
+
+
+def closed_sockets(sockets) -> int:
+    """How many ``(fd, identity)`` of ``group_sockets`` no longer refer to their socket (gloo closed the pair)."""
+    return sum(1 for fd, identity in sockets if _identity(fd) != identity)

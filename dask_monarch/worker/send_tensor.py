@@ -211,7 +211,7 @@ def _transfer(p: Plan, value, buffer, comms) -> None:
     what = f"SendTensor into {p.msg.result} (" + " and ".join(peers) + ")"
     try:
         try:
-            works = comms.post(what, lambda: dist.batch_isend_irecv(ops))
+            works = comms.post(what, lambda: dist.batch_isend_irecv(ops), p.group)
         except comm.CommError:
             raise
         except Exception as e:
