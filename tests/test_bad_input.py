@@ -279,6 +279,9 @@ def scheduler_sessions(client) -> dict:
         (dict(workers=[1]), TypeError, "workers must be Dask worker addresses"),
         (dict(dims="dp"), TypeError, "dims must be a mapping"),
         (dict(dims=3), TypeError, "dims must be a mapping"),
+        (dict(dims=("dp", "tp")), TypeError, "dims must be a mapping"),  # not {"d": "p", "t": "p"}
+        (dict(dims=[("dp", 1), ("dp", 1)]), ValueError, "a dimension name appears twice"),
+        (dict(dims={"dp": 1}, session_id="x"), TypeError, "unexpected keyword argument 'session_id'"),
         (dict(dims={"dp": 1}, comm_timeout=0), ValueError, "comm_timeout must be a positive number of seconds, got 0"),
         (dict(dims={"dp": 1}, comm_timeout=-5), ValueError, "comm_timeout must be a positive number"),
         (dict(dims={"dp": 1}, comm_timeout="60"), ValueError, "comm_timeout must be a positive number"),
@@ -297,6 +300,16 @@ def test_attach_rejects_bad_arguments_naming_them(client1, kwargs, error, text):
     with pytest.raises(error, match=text):
         dm.attach(client1, **kwargs)
     assert scheduler_sessions(client1) == before  # nothing was started
+
+
+def test_attach_takes_the_client_as_client_keyword_and_dims_as_pairs(client1):
+    with dm.attach(client=client1, dims=[("dp", 1)], comm_timeout=60) as mesh:
+        assert mesh.client is client1 and mesh.sizes == {"dp": 1}
+        assert dm.inspect(dm.remote(torch.add)(mesh.rank("dp"), 1)).item() == 1
+    before = scheduler_sessions(client1)
+    with pytest.raises(TypeError, match="both cluster and client="):
+        dm.attach(client1, client=client1, dims={"dp": 1})
+    assert scheduler_sessions(client1) == before
 
 
 def test_attach_with_more_ranks_than_workers_times_out_naming_the_dims(client1):

@@ -92,6 +92,24 @@ def test_attach_sees_every_worker_while_the_client_refreshes_its_cached_identity
                     mesh.exit()
 
 
+def test_a_session_whose_client_was_closed_fails_naming_the_client(client2):
+    from distributed import Client
+
+    client = Client(client2.scheduler.address, set_as_default=False)
+    mesh = dm.attach(client, dims={"workers": 2}, comm_timeout=60)
+    with mesh.activate():
+        x = torch.ones(2) * 3
+    assert dm.inspect(x).tolist() == [3.0, 3.0]
+    client.close()
+    with pytest.raises(dm.SessionError, match=rf"{client.id}\)? (was closed|disconnected)"):
+        with mesh.activate():
+            y = x + 1
+        dm.inspect(y)
+    mesh.exit()  # already reported: quiet
+    with dm.attach(client2, dims={"workers": 2}, comm_timeout=60) as again:  # the workers are fine
+        assert dm.inspect(dm.remote(torch.add)(again.rank("workers"), 1), workers=1).item() == 2
+
+
 def test_two_sessions_from_two_threads(client2):
     results = {}
 

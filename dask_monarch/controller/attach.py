@@ -7,9 +7,11 @@ several controllers can share a cluster.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import uuid
+from collections.abc import Mapping
 
 from distributed import Client
 from distributed.comm import get_address_host_port
@@ -36,14 +38,19 @@ def _sort_key(address: str):
 
 
 def _check_dims(dims) -> tuple[list, list]:
-    if isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
-        raise TypeError(f"dims must be a mapping of dimension names to sizes, e.g. {{'dp': 2}}, got {dims!r}")
-    try:
-        items = dict(dims).items()
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"dims must be a mapping of dimension names to sizes, e.g. {{'dp': 2}}, got {dims!r}"
-        ) from None
+    """``(names, sizes)`` of ``dims``: a mapping of names to sizes, or a sequence of ``(name, size)`` pairs."""
+    bad = TypeError(f"dims must be a mapping of dimension names to sizes, e.g. {{'dp': 2, 'tp': 2}}, got {dims!r}")
+    if isinstance(dims, Mapping):
+        items = list(dims.items())
+    elif isinstance(dims, (str, bytes)) or not hasattr(dims, "__iter__"):
+        raise bad
+    else:
+        items = list(dims)
+        if any(isinstance(item, (str, bytes)) or not isinstance(item, (tuple, list)) or len(item) != 2
+               for item in items):
+            raise bad  # ("dp", "tp") is not ({"d": "p"}, {"t": "p"})
+        if len({name for name, _ in items}) != len(items):
+            raise ValueError(f"dims: a dimension name appears twice in {dims!r}")
     names, sizes = [], []
     for name, size in items:
         if not isinstance(name, str) or not name:
@@ -122,11 +129,15 @@ def _connect(cluster, security, timeout: float) -> Client:
         raise
 
 
+#: the keyword arguments attach passes on to ``Session``
+_SESSION_OPTIONS = frozenset(inspect.signature(Session.__init__).parameters) - {"self", "client", "workers", "comm_timeout", "session_id"}
+
+
 def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0, timeout: float = 60.0,
            security=None, **session_options) -> DeviceMesh:
     """Attach this program (the controller) to a Dask cluster and return its ``DeviceMesh``.
 
-    ``cluster``: a ``distributed.Client``, a scheduler address (``"tcp://host:8786"``), a cluster object with
+    ``cluster`` (or ``client=``): a ``distributed.Client``, a scheduler address (``"tcp://host:8786"``), a cluster object with
     ``scheduler_address``, or ``None`` for the embedded default (``dask_monarch.cluster``: a scheduler in this
     process with its dashboard on port 8787 if free, and one worker process per GPU, else one per CPU core, or
     ``prod(dims)`` workers, which never import this program's ``__main__``, so a script needs no main guard;
@@ -151,6 +162,15 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     ``TimeoutError`` if too few workers join in time, and ``RuntimeError`` if the scheduler cannot import
     dask_monarch or an embedded worker process exits while starting.
     """
+    if "client" in session_options:  # attach(client=c), as Dask's own APIs name it
+        if cluster is not None:
+            raise TypeError("attach() got both cluster and client=; pass the Client once")
+        cluster = session_options.pop("client")
+    unknown = sorted(set(session_options) - _SESSION_OPTIONS)
+    if unknown:
+        what = f"an unexpected keyword argument {unknown[0]!r}" if len(unknown) == 1 else (
+            f"unexpected keyword arguments {', '.join(map(repr, unknown))}")
+        raise TypeError(f"attach() got {what}; it passes on only {sorted(_SESSION_OPTIONS)} to Session")
     names = sizes = None
     if dims is not None:
         names, sizes = _check_dims(dims)

@@ -210,7 +210,8 @@ class Borrow:
 
     def __del__(self):
         if not self.dropped and self.tensor is not None:
-            warnings.warn(f"{self!r} was not dropped; it is dropped now", ResourceWarning, stacklevel=2)
+            # a UserWarning, not a ResourceWarning: Python's default filters hide those, and this one is the spec's
+            warnings.warn(f"{self!r} was not dropped; it is dropped now", UserWarning, stacklevel=2)
             self._session.defer(self.drop)  # the collector may run anywhere: drop before the next message
 
 

@@ -263,7 +263,8 @@ class Transport:
                     if self._later_due is not None and time.monotonic() >= self._later_due:
                         self._submit_later()
             except Exception as e:  # the client is gone: report it on the next use
-                self._fail(SessionError(f"session {self.id}: could not send a message batch: {e}"))
+                why = self._client_closed() or f"could not send a message batch: {e}"
+                self._fail(SessionError(f"session {self.id}: {why}"))
 
     # ---------------------------------------------------------------------------------------------- answers
     def _on_batch_done(self, fut) -> None:
@@ -276,9 +277,11 @@ class Transport:
         """A ``sync_batch`` task is done: apply its answers (on the answers thread, ``answers.py``)."""
         rank = parse_task_key(fut.key)[2]
         if fut.status == "cancelled":
+            closed = self._client_closed()
+            why = f"cancelled: {closed}" if closed else (
+                f"cancelled (the cluster was restarted, or the task was released){self._meanwhile()}")
             self._fail(SessionError(
-                f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was "
-                f"cancelled (the cluster was restarted, or the task was released){self._meanwhile()}"
+                f"session {self.id}: the status request to rank {rank} ({self.workers[rank]}, {fut.key}) was {why}"
             ))
             return
         if fut.status == "error":
@@ -299,6 +302,13 @@ class Transport:
             return
         for blob in blobs:
             self._on_chunk(rank, blob)
+
+    def _client_closed(self) -> str | None:
+        """Why nothing more can run, if the program closed the session's ``Client`` while the session was open."""
+        if self.client.status in ("closing", "closed"):
+            return (f"the session's Client ({self.client.id}) was closed while the session was open; attach again "
+                    "with an open Client")
+        return None
 
     def _on_chunk(self, rank: int, blob) -> None:
         """Apply answer chunk ``blob`` of rank ``rank`` (pickled ``(chunk, messages)``, from a task's result or the
