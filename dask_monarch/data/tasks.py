@@ -13,7 +13,7 @@ streams call. Nothing here imports the controller.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 
 import numpy as np
 import torch
@@ -153,15 +153,21 @@ class PartitionHomes:
         return self.where.get(key, [])
 
 
-async def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
-    """The snapshot ``dask_monarch.worker.exports.export`` makes of rank ``rank``'s shard, waited for on the
-    worker's event loop for at most ``timeout`` seconds (``TimeoutError`` naming the rank)."""
+def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
+    """The snapshot ``dask_monarch.worker.exports.export`` makes of rank ``rank``'s shard, waited for at most
+    ``timeout`` seconds (``TimeoutError`` naming the rank). A task still waiting secedes from the worker's thread
+    pool first (``distributed.secede``, as ``sync_batches`` does): it holds none of the worker's threads, so Dask
+    work the snapshot waits behind (a later ``from_dask``'s reading on a worker of one thread) still runs."""
+    from distributed import secede
+
     from ..worker import exports
 
     future = exports.slot(session_id, token, rank)
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except asyncio.TimeoutError:
+        if not future.done():
+            secede()
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
         raise TimeoutError(f"to_dask: rank {rank} made no snapshot within {timeout} s (is the mesh still running? "
                            "the tensor's stream may be blocked)") from None
     finally:
