@@ -4,6 +4,8 @@
   ``dim``, taken where Dask holds it (``collections.py``).
 * ``to_dask(t, dim)`` / ``to_dask_dataframe(t, dim, columns)``: a remote tensor's shards as a Dask collection
   whose chunks stay on the workers that hold them.
+* ``iter_from_dask(collection, mesh, dim, partitions=, ahead=)``: a ``from_dask`` per group of partitions, the next
+  groups read ahead on the workers (``groups.py``).
 * ``create_pipe(source, mesh)``: batches from a Dask collection or a generator function, one per ``recv``
   (``PipeRecv``), loaded ahead on the workers (``pipe.py``; the worker side is ``worker/pipe.py``).
 
@@ -11,6 +13,7 @@
 """
 
 from .collections import from_dask, to_dask, to_dask_dataframe
+from .groups import iter_from_dask
 from .pipe import Pipe, create_pipe
 
-__all__ = ["Pipe", "create_pipe", "from_dask", "to_dask", "to_dask_dataframe"]
+__all__ = ["Pipe", "create_pipe", "from_dask", "iter_from_dask", "to_dask", "to_dask_dataframe"]

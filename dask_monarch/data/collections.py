@@ -115,18 +115,40 @@ def partitions_of(collection, client, what: str, timeout: float, homes: list | N
     holding its middle row when the partitions are of one size), a strict ``dask.annotate(workers=...)``
     restriction so that work stealing does not move it away: the rows are made where they are read instead of
     moving there. Raises the first partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
+    return finish_partitions(start_partitions(collection, client, homes), client, what, timeout)
+
+
+def start_partitions(collection, client, homes: list | None = None) -> tuple:
+    """The first half of ``partitions_of``, which waits for nothing: the collection persisted (placed by
+    ``homes``) and, where the holders are known already, the ``nrows`` tasks submitted. Returns what
+    ``finish_partitions`` takes."""
     persisted, holders = _persist(collection, client, homes)
     futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
     if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
+        return persisted, futures, holders, [int(c) for c in persisted.chunks[0]], None
+    counts = None if holders is None else _count_rows(client, futures, holders)
+    return persisted, futures, holders, None, counts
+
+
+def finish_partitions(started: tuple, client, what: str, timeout: float) -> tuple:
+    """The second half of ``partitions_of``: waits (at most ``timeout`` seconds each) for the partitions of
+    ``start_partitions`` and their row counts; returns ``(persisted, futures, row_counts, holders)``."""
+    persisted, futures, holders, known, counts = started
+    if known is not None:
         _wait_all(futures, what, timeout)
-        return persisted, futures, [int(c) for c in persisted.chunks[0]], holders
-    if holders is None:
+        return persisted, futures, known, holders
+    if counts is None:
         _wait_all(futures, what, timeout)
         holders = client.who_has(futures)
-    counts = [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
-                            key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
+        counts = _count_rows(client, futures, holders)
     _wait_all(counts, what, timeout)  # a partition's failure fails its count with that error
     return persisted, futures, [int(c) for c in client.gather(counts)], holders
+
+
+def _count_rows(client, futures: list, holders: dict) -> list:
+    """An ``nrows`` task per partition, pinned to its holder (only the count moves)."""
+    return [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
+                          key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
 
 
 def _wait_all(futures: list, what: str, timeout: float) -> None:
@@ -215,9 +237,17 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     stream outside Dask's data, ``worker/imports.py``). Raises the collection's own
     errors, and ``TimeoutError`` if Dask has not placed the rows within ``timeout`` seconds.
     """
-    what = "from_dask"
+    return start_from_dask(collection, mesh, dim, columns=columns, dtype=dtype, drop_remainder=drop_remainder,
+                           pad=pad, timeout=timeout).result()
+
+
+def start_from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
+                    drop_remainder: bool = False, pad=None, timeout: float = 300.0,
+                    what: str = "from_dask") -> "PendingBlocks":
+    """``from_dask`` begun and not waited for: the arguments checked (the same errors), the collection persisted
+    where its rows will be read and its row counts asked for. ``.result()`` of the returned ``PendingBlocks``
+    waits for them and returns ``from_dask``'s tensor (``dask_monarch.iter_from_dask`` reads ahead with this)."""
     dim = mesh_dim(mesh, dim, what)
-    client = mesh.client
     if pad is not None and drop_remainder:
         raise TypeError(f"{what}: pass drop_remainder=True or pad=, not both")
     if _is_array(collection):
@@ -242,23 +272,75 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     if pad is not None:
         _check_pad(pad, np_dtype, what)
     collection = project(collection, columns_sent)
-    _, futures, counts, holders = partitions_of(collection, client, what, timeout, homes=position_homes(mesh, dim))
+    started = start_partitions(collection, mesh.client, homes=position_homes(mesh, dim))
+    return PendingBlocks(mesh, dim, started, np_dtype, rest, columns_sent, pad, drop_remainder, timeout, what)
+
+
+class PendingBlocks:
+    """A ``from_dask`` call under way (``start_from_dask``): its partitions persisted and counted on the cluster.
+    ``result()`` (once) waits for them, submits each rank's ``assemble`` (pinned to the rank's worker, ahead of
+    other queued work there: Dask ``priority=1``), waits for those and returns the tensor."""
+
+    def __init__(self, mesh, dim, started, np_dtype, rest, columns_sent, pad, drop_remainder, timeout, what):
+        self.mesh, self.dim, self.started, self.what = mesh, dim, started, what
+        self.np_dtype, self.rest, self.columns_sent = np_dtype, rest, columns_sent
+        self.pad, self.drop_remainder, self.timeout = pad, drop_remainder, timeout
+
+    def result(self) -> Tensor:
+        """The tensor ``from_dask`` returns; raises its errors (``ValueError`` for rows that do not split,
+        the collection's own errors, ``TimeoutError``)."""
+        if self.started is None:
+            raise RuntimeError(f"{self.what}: result() was called already")
+        mesh, dim, what, client = self.mesh, self.dim, self.what, self.mesh.client
+        started, self.started = self.started, None
+        _, futures, counts, holders = finish_partitions(started, client, what, self.timeout)
+        total = sum(counts)
+        size = mesh.size(dim)
+        if total % size and not self.drop_remainder and self.pad is None:
+            raise ValueError(
+                f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
+                f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' "
+                f"blocks, or give the collection a multiple of {size}"
+            )
+        per_rank = -(-total // size) if self.pad is not None else total // size
+        if per_rank == 0:
+            raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
+        if holders is None:
+            holders = client.who_has(futures)
+        token = uuid.uuid4().hex[:12]
+        pieces_of = _pieces(client, futures, counts, holders, size, per_rank, token)
+        shape = (per_rank, *self.rest)
+        session = mesh._session
+        blocks = {
+            rank: client.submit(assemble, session.id, token, rank, pieces_of[position], self.columns_sent,
+                                self.np_dtype, shape, self.pad, workers=[mesh.workers[rank]],
+                                allow_other_workers=False, pure=False, priority=1,
+                                key=f"monarch-from_dask-{token}-{rank}")
+            for rank, position in _ranks_along(mesh, dim).items()
+        }
+        done, pending = wait(list(blocks.values()), timeout=self.timeout)
+        if pending:
+            late = sorted(r for r, f in blocks.items() if f in pending)
+            raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within "
+                               f"{self.timeout} s")
+        for rank, f in blocks.items():
+            if f.status == "error":
+                f.result()
+        torch_dtype = TORCH_DTYPES[self.np_dtype]
+
+        def shapes(mesh, token):
+            return torch.empty(shape, dtype=torch_dtype)
+
+        # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
+        return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+
+
+def _pieces(client, futures, counts, holders, size: int, per_rank: int, token: str) -> dict:
+    """Position -> the pieces of its rows ``[i * per_rank, (i + 1) * per_rank)``: futures of whole partitions, or
+    of ``rows`` tasks cutting a partition on its holder (only that piece moves)."""
     total = sum(counts)
-    size = mesh.size(dim)
-    if total % size and not drop_remainder and pad is None:
-        raise ValueError(
-            f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
-            f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' blocks, "
-            f"or give the collection a multiple of {size}"
-        )
-    per_rank = -(-total // size) if pad is not None else total // size
-    if per_rank == 0:
-        raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
-    if holders is None:
-        holders = client.who_has(futures)
-    token = uuid.uuid4().hex[:12]
-    pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
     starts = np.concatenate([[0], np.cumsum(counts)])
+    pieces_of = {}
     for position in range(size):
         lo, hi = position * per_rank, min((position + 1) * per_rank, total)
         pieces = []
@@ -271,33 +353,10 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
                 pieces.append(future)
             else:
                 where = list(holders.get(future.key, ())) or None
-                pieces.append(client.submit(rows, future, a, b, workers=where,
-                                            allow_other_workers=True, pure=False,
+                pieces.append(client.submit(rows, future, a, b, workers=where, allow_other_workers=True, pure=False,
                                             key=f"monarch-from_dask-rows-{token}-{position}-{j}"))
         pieces_of[position] = pieces
-    positions = _ranks_along(mesh, dim)
-    workers = mesh.workers
-    session = mesh._session
-    blocks = {}
-    for rank, position in positions.items():
-        blocks[rank] = client.submit(assemble, session.id, token, rank, pieces_of[position], columns_sent, np_dtype,
-                                     (per_rank, *rest), pad, workers=[workers[rank]], allow_other_workers=False,
-                                     pure=False, key=f"monarch-from_dask-{token}-{rank}")
-    done, pending = wait(list(blocks.values()), timeout=timeout)
-    if pending:
-        late = sorted(r for r, f in blocks.items() if f in pending)
-        raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within {timeout} s")
-    for rank, f in blocks.items():
-        if f.status == "error":
-            f.result()
-    torch_dtype = TORCH_DTYPES[np_dtype]
-    shape = (per_rank, *rest)
-
-    def shapes(mesh, token):
-        return torch.empty(shape, dtype=torch_dtype)
-
-    # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
-    return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+    return pieces_of
 
 
 def _check_pad(pad, np_dtype: np.dtype, what: str) -> None:
