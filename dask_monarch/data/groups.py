@@ -62,10 +62,11 @@ def _groups(collection, mesh, dim, firsts, step: int, ahead: int, kwargs: dict):
             started.append(start_from_dask(part, mesh, dim, **kwargs))
 
     try:
-        begin()
-        while started:
+        while True:
             for _ in range(ahead + 1 - len(started)):
-                begin()  # the groups after this one are read while the program works on it
+                begin()  # this group and the ``ahead`` after it: those are read while the program works on it
+            if not started:
+                return
             yield started.popleft().result()
     finally:
         started.clear()  # the groups read ahead: their persisted partitions go with their futures
