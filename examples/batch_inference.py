@@ -1,14 +1,15 @@
 """Batch inference on a mesh: Parquet in, predictions out, no row through the controller (issue 15).
 
 scikit-learn's digits, repeated to a few hundred thousand rows, are written to Parquet and read with
-``dask.dataframe.read_parquet``; ``dm.from_dask`` makes them a tensor sharded over the mesh's "dp" ranks (each
-rank's block assembled on its own worker); the digits MLP (trained here first, from a pipe:
+``dask.dataframe.read_parquet``; ``dm.iter_from_dask`` makes them, a few partitions per rank at a time, tensors
+sharded over the mesh's "dp" ranks (each rank's block assembled on its own worker, the next group read while the
+mesh scores this one); the digits MLP (trained here first, from a pipe:
 ``train_digits_pipe.py``) scores every row on the mesh, with a progress bar; ``dm.to_dask_dataframe`` makes the
 predictions a Dask DataFrame whose partitions stay on the workers, and ``to_parquet`` writes them from there.
 Run it::
 
     python examples/batch_inference.py                    # an embedded local cluster of 2 workers
-    python examples/batch_inference.py --repeat 200 --batch 8192
+    python examples/batch_inference.py --repeat 200 --batch 8192 --group 2 --ahead 1
 
 The last line printed is ``accuracy=0.XXXX`` (the predictions read back from the written Parquet files).
 """

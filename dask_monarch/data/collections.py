@@ -4,12 +4,14 @@ controller).
 
 Into the mesh, the controller only plans: it persists the collection (the partitions Dask has yet to compute are
 computed on the workers of the ranks that will read them: a strict ``dask.annotate(workers=...)`` per output
-key), learns each partition's row count (an ``nrows`` task pinned to its holder) and holder, and submits one
+key), learns each partition's row count (an ``nrows`` task pinned to each holder) and holder, and submits one
 ``assemble`` task per rank pinned to that rank's worker (``workers=[address]``, ``allow_other_workers=False``),
 whose inputs are the partitions (or the pieces of them a ``rows`` task cut on their holder): Dask itself moves
 what is held elsewhere worker to worker, and a partition already on the rank's worker does not move. The block
 is left on the worker (``worker/imports.py``, not Dask's data) for a ``CallFunction`` of ``take_block``, which
-makes it a tensor in the mesh's order. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in
+makes it a tensor in the mesh's order. ``start_from_dask`` is the first half of that, which waits for nothing (the
+persist and the counts asked for); ``PendingBlocks.result()`` the rest (``iter_from_dask``, ``groups.py``, begins the
+next groups while the program works on one). Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in
 the mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
 """
 
@@ -107,7 +109,7 @@ def torch_to_numpy(dtype, what: str) -> np.dtype:
 def partitions_of(collection, client, what: str, timeout: float, homes: list | None = None):
     """``(persisted, futures, row_counts, holders)``: the collection persisted on the cluster (a no-op for one
     already persisted), its partitions' futures in row order, their row counts (from the array's chunks, or an
-    ``nrows`` task per partition pinned to its holder: only the counts reach the controller), and the workers
+    ``nrows`` task per holder, pinned there: only the counts reach the controller), and the workers
     holding each partition's key (``Client.who_has``'s answer, or the placement below).
 
     ``homes`` (the workers of the positions that will read the rows, in order) places the partitions Dask has yet
@@ -141,14 +143,36 @@ def finish_partitions(started: tuple, client, what: str, timeout: float) -> tupl
         _wait_all(futures, what, timeout)
         holders = client.who_has(futures)
         counts = _count_rows(client, futures, holders)
-    _wait_all(counts, what, timeout)  # a partition's failure fails its count with that error
-    return persisted, futures, [int(c) for c in client.gather(counts)], holders
+    return persisted, futures, _gather_counts(client, counts, len(futures), what, timeout), holders
 
 
 def _count_rows(client, futures: list, holders: dict) -> list:
-    """An ``nrows`` task per partition, pinned to its holder (only the count moves)."""
-    return [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
-                          key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
+    """``(task, indices)`` pairs: an ``nrows`` task per worker holding partitions, pinned there, counting the rows of
+    those (``futures[i]`` for i in ``indices``; only the counts move)."""
+    on = {}
+    for i, f in enumerate(futures):
+        on.setdefault(sorted(holders[f.key])[0], []).append(i)
+    return [(client.submit(nrows, *(futures[i] for i in indices), workers=[worker], allow_other_workers=False,
+                           pure=False, key=f"monarch-nrows-{uuid.uuid4().hex[:12]}"), indices)
+            for worker, indices in on.items()]
+
+
+def _gather_counts(client, counts: list, n: int, what: str, timeout: float) -> list:
+    """The row count of each of the ``n`` partitions, from ``_count_rows``'s tasks (waited for at most
+    ``timeout`` seconds: a partition's failure fails its task with that error)."""
+    tasks = [task for task, _ in counts]
+    done, pending = wait(tasks, timeout=timeout)
+    if pending:
+        late = sorted(i for task, indices in counts if task in pending for i in indices)
+        raise TimeoutError(f"{what}: partitions {late} (of {n}) were not computed and counted within {timeout} s")
+    for task in tasks:
+        if task.status == "error":
+            task.result()  # raises the partition's own error
+    found = [0] * n
+    for (_, indices), values in zip(counts, client.gather(tasks)):
+        for i, value in zip(indices, values):
+            found[i] = int(value)
+    return found
 
 
 def _wait_all(futures: list, what: str, timeout: float) -> None:

@@ -2,8 +2,8 @@
 so Dask moves their inputs worker to worker, never through the controller) and the remote functions a mesh's
 streams call. Nothing here imports the controller.
 
-* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (a partition's row count, on its
-  holder), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
+* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (the row counts of the partitions one
+  worker holds, there), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
   rows as one numpy array, on the rank's worker, left in ``worker/imports.py``), then the remote function
   ``take_block`` (that block as a tensor, on the rank's stream).
 * to_dask: the remote function ``dask_monarch.worker.exports.export`` (a snapshot in the mesh's order), then
@@ -50,9 +50,9 @@ def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
                         "(e.g. t.float())") from None
 
 
-def nrows(part) -> int:
-    """The number of rows of a partition (a numpy array or a pandas DataFrame)."""
-    return len(part)
+def nrows(*parts) -> list:
+    """The number of rows of each partition (a numpy array or a pandas DataFrame), run where they all are."""
+    return [len(part) for part in parts]
 
 
 def rows(part, start: int, stop: int):
