@@ -3,8 +3,8 @@ time, read ahead (issue 15 item 6: batch inference at the rate of the workers, n
 
 Each group is one ``from_dask`` (``collections.py``; the same placement, padding and errors) of the next
 ``partitions`` partitions per rank. The controller begins the ``ahead`` groups after the one it hands out
-(``start_from_dask``: persisted on the workers of the ranks that will read them, their rows counted there) before it
-waits for that one, so while the program sends the mesh its work on group k, the workers' Dask threads already
+(``start_from_dask``: persisted on the workers of the ranks that will read them, their rows counted there, and each
+rank's block assembled as soon as the counts are in) before it waits for that one, so while the program sends the mesh its work on group k, the workers' Dask threads already
 read and convert group k + 1: reading overlaps the mesh's streams, and no group waits for the controller's round
 trips of the one before. At most ``ahead + 1`` groups are held on the workers beside what the mesh holds.
 """
@@ -59,7 +59,7 @@ def _groups(collection, mesh, dim, firsts, step: int, ahead: int, kwargs: dict):
         if first is not None:
             index = slice(first, first + step)
             part = collection.blocks[index] if _is_array(collection) else collection.partitions[index]
-            started.append(start_from_dask(part, mesh, dim, **kwargs))
+            started.append(start_from_dask(part, mesh, dim, early=True, **kwargs))
 
     try:
         while True:
@@ -69,4 +69,6 @@ def _groups(collection, mesh, dim, firsts, step: int, ahead: int, kwargs: dict):
                 return
             yield started.popleft().result()
     finally:
-        started.clear()  # the groups read ahead: their persisted partitions go with their futures
+        for pending in started:  # the groups read ahead: their persisted partitions go with their futures
+            pending.cancel()
+        started.clear()
