@@ -5,6 +5,7 @@ run, Parquet in and Parquet out, the same model (trained on the mesh first). Als
 process read and wrote meanwhile (``/proc/self/io``: every file and socket; an upper bound on data through it).
 
     .venv/bin/python bench/batch_inference.py --repeat 200 --rounds 3
+    .venv/bin/python bench/batch_inference.py --rounds 5 --epochs 3 --warmup 1 --group 1 --ahead 2
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=0, help="untimed rounds of each pipeline first")
+    parser.add_argument("--group", type=int, default=2, help="partitions per rank per group of the mesh pipeline")
+    parser.add_argument("--ahead", type=int, default=1, help="groups the mesh pipeline reads ahead")
+    parser.add_argument("--batch", type=int, default=8192, help="rows per rank per scoring step of the mesh")
     parser.add_argument("--no-ray", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
@@ -104,13 +108,15 @@ def main(argv=None) -> None:
             times = {"mesh": [], "map_partitions": [], "ray": []}
             through = []
             for r in range(args.warmup):
-                score(mesh, model, paths["score"], os.path.join(root, f"wm{r}"), progress=False)
+                score(mesh, model, paths["score"], os.path.join(root, f"wm{r}"), progress=False, group=args.group,
+                      ahead=args.ahead, batch=args.batch)
                 dask_baseline(mesh.client, local, paths["score"], os.path.join(root, f"wd{r}"))
             for r in range(args.rounds):
                 def run_mesh():
                     before = io_bytes()
                     times["mesh"].append(score(mesh, model, paths["score"], os.path.join(root, f"m{r}"),
-                                               progress=False)["seconds"])
+                                               progress=False, group=args.group, ahead=args.ahead,
+                                               batch=args.batch)["seconds"])
                     through.append(io_bytes() - before)
 
                 def run_baseline():
@@ -131,7 +137,8 @@ def main(argv=None) -> None:
     print(f"rows {rows}, workers {args.workers}, rounds {args.rounds} (after {args.warmup} untimed), "
           f"load {os.getloadavg()[0]:.1f}")
     base = statistics.median(times["mesh"])
-    print(f"mesh pipeline (from_dask, score, to_dask_dataframe.to_parquet): {rows / base:,.0f} rows/s")
+    print(f"mesh pipeline (iter_from_dask group={args.group} ahead={args.ahead} batch={args.batch}, score, "
+          f"to_dask_dataframe.to_parquet): {rows / base:,.0f} rows/s")
     for name in ("map_partitions", "ray"):
         if times[name]:
             t = statistics.median(times[name])

@@ -37,7 +37,7 @@ from .controller import (
     slice_mesh,
     to_mesh,
 )
-from .data import Pipe, create_pipe, from_dask, to_dask, to_dask_dataframe
+from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
 
 
@@ -79,6 +79,7 @@ __all__ = [
     "get_active_mesh",
     "get_active_stream",
     "inspect",
+    "iter_from_dask",
     "main_stream",
     "no_mesh",
     "reduce",

@@ -1,14 +1,15 @@
 """Batch inference on a mesh: Parquet in, predictions out, no row through the controller (issue 15).
 
 scikit-learn's digits, repeated to a few hundred thousand rows, are written to Parquet and read with
-``dask.dataframe.read_parquet``; ``dm.from_dask`` makes them a tensor sharded over the mesh's "dp" ranks (each
-rank's block assembled on its own worker); the digits MLP (trained here first, from a pipe:
+``dask.dataframe.read_parquet``; ``dm.iter_from_dask`` makes them, a few partitions per rank at a time, tensors
+sharded over the mesh's "dp" ranks (each rank's block assembled on its own worker, the next group read while the
+mesh scores this one); the digits MLP (trained here first, from a pipe:
 ``train_digits_pipe.py``) scores every row on the mesh, with a progress bar; ``dm.to_dask_dataframe`` makes the
 predictions a Dask DataFrame whose partitions stay on the workers, and ``to_parquet`` writes them from there.
 Run it::
 
     python examples/batch_inference.py                    # an embedded local cluster of 2 workers
-    python examples/batch_inference.py --repeat 200 --batch 8192
+    python examples/batch_inference.py --repeat 200 --batch 8192 --group 2 --ahead 1
 
 The last line printed is ``accuracy=0.XXXX`` (the predictions read back from the written Parquet files).
 """
@@ -32,37 +33,33 @@ from train_digits_pipe import FEATURES, N_TEST, digits_frame, train, write_parqu
 
 
 def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progress: bool | None = None,
-          group: int = 4) -> dict:
+          group: int = 2, ahead: int = 1) -> dict:
     """Read ``data_path`` (Parquet: ``p0``..``p63``, ``target``), score every row with ``model`` on ``mesh``,
     write ``target`` and ``prediction`` to ``out_path`` (Parquet, from the workers). Returns the row count, the
     accuracy counted on the mesh and the seconds taken.
 
-    The partitions come in ``group`` per rank at a time (one ``from_dask`` each): the controller sends a group's
-    scoring without waiting for it, so the workers read and convert the next group (Dask's threads) while the
-    mesh scores this one (the streams' threads). A group whose rows do not split evenly over the ranks is padded
-    with rows of -1 (``from_dask(pad=-1)``), which no digit's target is: they count neither in the rows nor in the
-    accuracy (only the progress bar counts them), and are filtered out before writing."""
+    The partitions come in ``group`` per rank at a time (``dm.iter_from_dask``, which reads ``ahead`` groups ahead
+    on the workers): the controller sends a group's scoring and its write without waiting for them, so the
+    workers read and convert the next group (Dask's threads) while the mesh scores this one (the streams'
+    threads), and write it once scored. A group whose rows do not split evenly over the ranks is padded with
+    rows of -1 (``pad=-1``), which no digit's target is: they count neither in the rows nor in the accuracy (only
+    the progress bar counts them), and are filtered out before writing."""
     import dask.dataframe as dd
 
     start = time.perf_counter()
     ddf = dd.read_parquet(data_path)
     ranks = mesh.size("dp")
-    step = group * ranks
     bar = _bar(progress)
     marks, writes = deque(), []
-    previous = None  # the predictions of the group before, not yet sent to be written
+    groups = dm.iter_from_dask(ddf, mesh, partitions=group, ahead=ahead, columns=FEATURES + ["target"],
+                               dtype=torch.float32, pad=-1)
     with torch.no_grad():
-        for first in range(0, ddf.npartitions, step):
-            # this group's rows, one float32 block per rank, read and taken where Dask read them (placed there)
-            rows = dm.from_dask(ddf.partitions[first:first + step], mesh, columns=FEATURES + ["target"],
-                                dtype=torch.float32, pad=-1)
-            if previous is not None:  # its snapshot comes next in the mesh's order: Dask writes it meanwhile
-                writes.append(_write(previous, out_path, len(writes)))
+        with mesh.activate():
+            correct = torch.zeros((), dtype=torch.int64)  # hits so far, per rank
+            scored = torch.zeros((), dtype=torch.int64)   # rows so far, per rank (padding left out)
+        for rows in groups:  # this group's rows, one float32 block per rank, read where they are scored
             n = rows.shape[0]
             with mesh.activate():
-                if previous is None:
-                    correct = torch.zeros((), dtype=torch.int64)  # hits so far, per rank
-                    scored = torch.zeros((), dtype=torch.int64)   # rows so far, per rank (padding left out)
                 predictions, starts, marked = [], range(0, n, batch), 0
                 every = -(-len(starts) // 4)  # a progress mark per quarter of the group
                 for i, lo in enumerate(starts):
@@ -76,11 +73,11 @@ def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progres
                         marks.append((dm.fetch_shard(correct), (end - marked) * ranks))
                         marked = end
                 scored = scored + (rows[:, 64] >= 0).sum()
-                previous = torch.cat(predictions)
+            # the snapshot comes next in the mesh's order; Dask writes it once the mesh has scored the group
+            writes.append(_write(torch.cat(predictions), out_path, len(writes)))
             _advance(bar, marks, n * ranks, wait=False)
         with mesh.activate():
             totals = torch.stack([correct, scored]).reduce("dp", "sum")
-    writes.append(_write(previous, out_path, len(writes)))
     _advance(bar, marks, 0, wait=True)
     correct, total = (int(v) for v in dm.fetch_shard(totals).result())
     if bar is not None:
@@ -93,15 +90,14 @@ def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progres
 
 def _write(predictions, out_path: str, group: int):
     """Start writing a group's predictions (their padding left out) to Parquet files ``part.<group>.<i>.parquet``
-    under ``out_path``, from the workers holding them; returns the Dask future of the write.
-
-    ``to_dask_dataframe`` is called after the next group's ``from_dask``: its tasks wait for their snapshots on
-    a Dask thread that the next group's reading needs, and by then the snapshot comes next in the mesh's order."""
+    under ``out_path``, from the workers holding them; returns the Dask future of the write. Its tasks wait for
+    their snapshots without holding a Dask thread (``to_dask``), so the next group's reading goes on meanwhile."""
     frame = dm.to_dask_dataframe(predictions, columns=["target", "prediction"])
     frame = frame[frame["target"] >= 0]
     write = frame.to_parquet(out_path, write_index=False, compute=False, write_metadata_file=False,
                              name_function=lambda i: f"part.{group}.{i}.parquet")
-    return predictions.mesh.client.compute(write)
+    # optimized here: Client.compute leaves the filter and the writer as tasks of their own (five per partition)
+    return predictions.mesh.client.compute(write.optimize())
 
 
 def _advance(bar, marks: deque, more: int, wait: bool) -> None:
@@ -146,7 +142,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=200, help="copies of the 1797 digits to score")
     parser.add_argument("--files", type=int, default=16, help="Parquet files of the scoring set")
     parser.add_argument("--batch", type=int, default=8192, help="rows per rank per scoring step")
-    parser.add_argument("--group", type=int, default=4, help="partitions per rank per from_dask")
+    parser.add_argument("--group", type=int, default=2, help="partitions per rank per from_dask")
+    parser.add_argument("--ahead", type=int, default=1, help="groups read ahead on the workers")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs before scoring")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args(argv)
@@ -156,7 +153,8 @@ def main(argv=None) -> None:
             model, test_accuracy = train(mesh, paths["train"], paths["test"], args.epochs,
                                          log=lambda line: print(line, flush=True))
             print(f"trained: test_accuracy={test_accuracy:.4f}", flush=True)
-            result = score(mesh, model, paths["score"], paths["predictions"], args.batch, args.progress, args.group)
+            result = score(mesh, model, paths["score"], paths["predictions"], args.batch, args.progress, args.group,
+                           args.ahead)
             print(f"scored {result['rows']} rows in {result['seconds']:.1f} s "
                   f"({result['rows'] / result['seconds']:,.0f} rows/s), accuracy on the mesh "
                   f"{result['accuracy']:.4f}", flush=True)

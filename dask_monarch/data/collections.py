@@ -1,20 +1,22 @@
-"""Dask collections into and out of a mesh: ``from_dask``, ``to_dask``, ``to_dask_dataframe`` (issue 15;
+"""Dask collections into a mesh: ``from_dask`` (issue 15;
 DESIGN.md "Decisions": ``from_dask`` / ``to_dask`` move Dask arrays and data frames in place, nothing through the
 controller).
 
 Into the mesh, the controller only plans: it persists the collection (the partitions Dask has yet to compute are
 computed on the workers of the ranks that will read them: a strict ``dask.annotate(workers=...)`` per output
-key), learns each partition's row count (an ``nrows`` task pinned to its holder) and holder, and submits one
+key), learns each partition's row count (an ``nrows`` task pinned to each holder) and holder, and submits one
 ``assemble`` task per rank pinned to that rank's worker (``workers=[address]``, ``allow_other_workers=False``),
 whose inputs are the partitions (or the pieces of them a ``rows`` task cut on their holder): Dask itself moves
 what is held elsewhere worker to worker, and a partition already on the rank's worker does not move. The block
 is left on the worker (``worker/imports.py``, not Dask's data) for a ``CallFunction`` of ``take_block``, which
-makes it a tensor in the mesh's order. Out of the mesh, a ``CallFunction`` of ``export`` snapshots each shard in
-the mesh's order and a pinned ``take_export`` task per shard makes it a Dask chunk on the worker that holds it.
+makes it a tensor in the mesh's order. ``start_from_dask`` is the first half of that, which waits for nothing (the
+persist and the counts asked for); ``PendingBlocks.result()`` the rest (``iter_from_dask``, ``groups.py``, begins the
+next groups while the program works on one). Out of the mesh: ``to_dask.py``.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 import warnings
 
@@ -25,13 +27,11 @@ from distributed import futures_of, wait
 from ..controller.mesh import DeviceMesh
 from ..controller.remote import call_on_mesh, function_of
 from ..controller.tensor import Tensor
-from ..worker.exports import RawRef
-from .tasks import TORCH_DTYPES, PartitionHomes, assemble, frame, nrows, numpy_dtype_of, rows, take_export
+from .tasks import TORCH_DTYPES, PartitionHomes, assemble, nrows, numpy_dtype_of, rows
 
-__all__ = ["from_dask", "to_dask", "to_dask_dataframe", "partitions_of", "mesh_dim"]
+__all__ = ["from_dask", "start_from_dask", "PendingBlocks", "partitions_of", "mesh_dim"]
 
 _TAKE_BLOCK = function_of("dask_monarch.data.tasks.take_block")
-_EXPORT = function_of("dask_monarch.worker.exports.export")
 
 
 def mesh_dim(mesh: DeviceMesh, dim, what: str) -> str:
@@ -107,7 +107,7 @@ def torch_to_numpy(dtype, what: str) -> np.dtype:
 def partitions_of(collection, client, what: str, timeout: float, homes: list | None = None):
     """``(persisted, futures, row_counts, holders)``: the collection persisted on the cluster (a no-op for one
     already persisted), its partitions' futures in row order, their row counts (from the array's chunks, or an
-    ``nrows`` task per partition pinned to its holder: only the counts reach the controller), and the workers
+    ``nrows`` task per holder, pinned there: only the counts reach the controller), and the workers
     holding each partition's key (``Client.who_has``'s answer, or the placement below).
 
     ``homes`` (the workers of the positions that will read the rows, in order) places the partitions Dask has yet
@@ -115,18 +115,59 @@ def partitions_of(collection, client, what: str, timeout: float, homes: list | N
     holding its middle row when the partitions are of one size), a strict ``dask.annotate(workers=...)``
     restriction so that work stealing does not move it away: the rows are made where they are read instead of
     moving there. Raises the first partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
+    return finish_partitions(start_partitions(collection, client, homes), client, what, timeout)
+
+
+def start_partitions(collection, client, homes: list | None = None) -> tuple:
+    """The first half of ``partitions_of``, which waits for nothing: the collection persisted (placed by
+    ``homes``) and, where the holders are known already, the ``nrows`` tasks submitted. Returns what
+    ``finish_partitions`` takes."""
     persisted, holders = _persist(collection, client, homes)
     futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
     if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
+        return persisted, futures, holders, [int(c) for c in persisted.chunks[0]], None
+    counts = None if holders is None else _count_rows(client, futures, holders)
+    return persisted, futures, holders, None, counts
+
+
+def finish_partitions(started: tuple, client, what: str, timeout: float) -> tuple:
+    """The second half of ``partitions_of``: waits (at most ``timeout`` seconds each) for the partitions of
+    ``start_partitions`` and their row counts; returns ``(persisted, futures, row_counts, holders)``."""
+    persisted, futures, holders, known, counts = started
+    if known is not None:
         _wait_all(futures, what, timeout)
-        return persisted, futures, [int(c) for c in persisted.chunks[0]], holders
-    if holders is None:
+        return persisted, futures, known, holders
+    if counts is None:
         _wait_all(futures, what, timeout)
         holders = client.who_has(futures)
-    counts = [client.submit(nrows, f, workers=list(holders[f.key]), allow_other_workers=False, pure=False,
-                            key=f"monarch-nrows-{uuid.uuid4().hex[:12]}") for f in futures]
-    _wait_all(counts, what, timeout)  # a partition's failure fails its count with that error
-    return persisted, futures, [int(c) for c in client.gather(counts)], holders
+        counts = _count_rows(client, futures, holders)
+    return persisted, futures, _gather_counts(client, counts, len(futures), what, timeout), holders
+
+
+def _count_rows(client, futures: list, holders: dict) -> list:
+    """``(task, indices)`` pairs: an ``nrows`` task per worker holding partitions, pinned there, counting the rows of
+    those (``futures[i]`` for i in ``indices``; only the counts move)."""
+    on = {}
+    for i, f in enumerate(futures):
+        on.setdefault(sorted(holders[f.key])[0], []).append(i)
+    return [(client.submit(nrows, *(futures[i] for i in indices), workers=[worker], allow_other_workers=False,
+                           pure=False, key=f"monarch-nrows-{uuid.uuid4().hex[:12]}"), indices)
+            for worker, indices in on.items()]
+
+
+def _gather_counts(client, counts: list, n: int, what: str, timeout: float) -> list:
+    """The row count of each of the ``n`` partitions, from ``_count_rows``'s tasks (waited for at most
+    ``timeout`` seconds: a partition's failure fails its task with that error)."""
+    tasks = [task for task, _ in counts]
+    done, pending = wait(tasks, timeout=timeout)
+    if pending:
+        late = sorted(i for task, indices in counts if task in pending for i in indices)
+        raise TimeoutError(f"{what}: partitions {late} (of {n}) were not computed and counted within {timeout} s")
+    found = [0] * n
+    for task, indices in counts:  # each a bounded gather (Future.result), raising the partition's own error
+        for i, value in zip(indices, task.result(timeout=timeout)):
+            found[i] = int(value)
+    return found
 
 
 def _wait_all(futures: list, what: str, timeout: float) -> None:
@@ -215,9 +256,18 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     stream outside Dask's data, ``worker/imports.py``). Raises the collection's own
     errors, and ``TimeoutError`` if Dask has not placed the rows within ``timeout`` seconds.
     """
-    what = "from_dask"
+    return start_from_dask(collection, mesh, dim, columns=columns, dtype=dtype, drop_remainder=drop_remainder,
+                           pad=pad, timeout=timeout).result()
+
+
+def start_from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=None, dtype=None,
+                    drop_remainder: bool = False, pad=None, timeout: float = 300.0,
+                    what: str = "from_dask", early: bool = False) -> "PendingBlocks":
+    """``from_dask`` begun and not waited for: the arguments checked (the same errors), the collection persisted
+    where its rows will be read and its row counts asked for. ``.result()`` of the returned ``PendingBlocks``
+    waits for them and returns ``from_dask``'s tensor (``dask_monarch.iter_from_dask`` reads ahead with this;
+    ``early``: the blocks are assembled as soon as the counts are in, see ``PendingBlocks``)."""
     dim = mesh_dim(mesh, dim, what)
-    client = mesh.client
     if pad is not None and drop_remainder:
         raise TypeError(f"{what}: pass drop_remainder=True or pad=, not both")
     if _is_array(collection):
@@ -242,23 +292,113 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
     if pad is not None:
         _check_pad(pad, np_dtype, what)
     collection = project(collection, columns_sent)
-    _, futures, counts, holders = partitions_of(collection, client, what, timeout, homes=position_homes(mesh, dim))
+    started = start_partitions(collection, mesh.client, homes=position_homes(mesh, dim))
+    return PendingBlocks(mesh, dim, started, np_dtype, rest, columns_sent, pad, drop_remainder, timeout, what,
+                         early)
+
+
+class PendingBlocks:
+    """A ``from_dask`` call under way (``start_from_dask``): its partitions persisted and counted on the cluster.
+    With ``early`` (``iter_from_dask``'s groups read ahead), a thread of its own (``monarch-<what>-plan``) waits for
+    the counts (at most ``timeout`` seconds) and then submits each rank's ``assemble`` (pinned to the rank's worker, ahead of other queued work there: Dask
+    ``priority=1``) without waiting for the program; ``result()`` (once) does what is left of that, waits for the
+    blocks and returns the tensor. ``cancel()`` gives the call up (nothing more is submitted)."""
+
+    def __init__(self, mesh, dim, started, np_dtype, rest, columns_sent, pad, drop_remainder, timeout, what,
+                 early: bool = False):
+        self.mesh, self.dim, self.started, self.what = mesh, dim, started, what
+        self.np_dtype, self.rest, self.columns_sent = np_dtype, rest, columns_sent
+        self.pad, self.drop_remainder, self.timeout = pad, drop_remainder, timeout
+        self._lock = threading.Lock()
+        self._planned = None  # (token, shape, the assemble futures by rank), once submitted
+        if early and started[4]:  # the counts are asked for: plan as soon as they are in
+            tasks = [task for task, _ in started[4]]
+            threading.Thread(target=self._plan_when_counted, args=(tasks,), daemon=True,
+                             name=f"monarch-{what}-plan").start()
+
+    def _plan_when_counted(self, tasks: list) -> None:
+        """Wait for the count ``tasks``, then submit the assembly, unless a count failed, the call was given up or
+        ``result()`` got there first (it then plans itself and raises what is wrong). Never raises."""
+        try:
+            wait(tasks, timeout=self.timeout)
+            if all(task.status == "finished" for task in tasks):
+                with self._lock:
+                    if self._planned is None and self.started is not None:
+                        self._planned = self._plan()
+        except Exception:
+            pass
+
+    def cancel(self) -> None:
+        """Give the call up: nothing more is submitted; its partitions go with the last reference to this."""
+        with self._lock:
+            self.started = None
+
+    def _plan(self) -> tuple:
+        """``(token, shape, assemble futures by rank)``: the counts waited for, the rows laid out, the assembly
+        submitted. Raises ``from_dask``'s errors."""
+        mesh, dim, what, client = self.mesh, self.dim, self.what, self.mesh.client
+        _, futures, counts, holders = finish_partitions(self.started, client, what, self.timeout)
+        total = sum(counts)
+        size = mesh.size(dim)
+        if total % size and not self.drop_remainder and self.pad is None:
+            raise ValueError(
+                f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
+                f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' "
+                f"blocks, or give the collection a multiple of {size}"
+            )
+        per_rank = -(-total // size) if self.pad is not None else total // size
+        if per_rank == 0:
+            raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
+        if holders is None:
+            holders = client.who_has(futures)
+        token = uuid.uuid4().hex[:12]
+        pieces_of = _pieces(client, futures, counts, holders, size, per_rank, token)
+        shape = (per_rank, *self.rest)
+        session = mesh._session
+        blocks = {
+            rank: client.submit(assemble, session.id, token, rank, pieces_of[position], self.columns_sent,
+                                self.np_dtype, shape, self.pad, workers=[mesh.workers[rank]],
+                                allow_other_workers=False, pure=False, priority=1,
+                                key=f"monarch-from_dask-{token}-{rank}")
+            for rank, position in _ranks_along(mesh, dim).items()
+        }
+        return token, shape, blocks
+
+    def result(self) -> Tensor:
+        """The tensor ``from_dask`` returns; raises its errors (``ValueError`` for rows that do not split,
+        the collection's own errors, ``TimeoutError``)."""
+        with self._lock:
+            if self.started is None:
+                raise RuntimeError(f"{self.what}: result() was called already")
+            try:
+                planned = self._planned or self._plan()
+            finally:
+                self.started = None
+        token, shape, blocks = planned
+        mesh, what = self.mesh, self.what
+        done, pending = wait(list(blocks.values()), timeout=self.timeout)
+        if pending:
+            late = sorted(r for r, f in blocks.items() if f in pending)
+            raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within "
+                               f"{self.timeout} s")
+        for rank, f in blocks.items():
+            if f.status == "error":
+                f.result()
+        torch_dtype = TORCH_DTYPES[self.np_dtype]
+
+        def shapes(mesh, token):
+            return torch.empty(shape, dtype=torch_dtype)
+
+        # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
+        return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+
+
+def _pieces(client, futures, counts, holders, size: int, per_rank: int, token: str) -> dict:
+    """Position -> the pieces of its rows ``[i * per_rank, (i + 1) * per_rank)``: futures of whole partitions, or
+    of ``rows`` tasks cutting a partition on its holder (only that piece moves)."""
     total = sum(counts)
-    size = mesh.size(dim)
-    if total % size and not drop_remainder and pad is None:
-        raise ValueError(
-            f"{what}: {total} rows do not split evenly over the {size} ranks of dimension {dim!r}; pass "
-            f"drop_remainder=True to drop the last {total % size} rows, pad= a value to pad the last ranks' blocks, "
-            f"or give the collection a multiple of {size}"
-        )
-    per_rank = -(-total // size) if pad is not None else total // size
-    if per_rank == 0:
-        raise ValueError(f"{what}: {total} rows are fewer than the {size} ranks of dimension {dim!r}")
-    if holders is None:
-        holders = client.who_has(futures)
-    token = uuid.uuid4().hex[:12]
-    pieces_of = {}  # position -> the pieces of its rows: futures of partitions, or of rows() cut on their holder
     starts = np.concatenate([[0], np.cumsum(counts)])
+    pieces_of = {}
     for position in range(size):
         lo, hi = position * per_rank, min((position + 1) * per_rank, total)
         pieces = []
@@ -271,33 +411,10 @@ def from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, columns=N
                 pieces.append(future)
             else:
                 where = list(holders.get(future.key, ())) or None
-                pieces.append(client.submit(rows, future, a, b, workers=where,
-                                            allow_other_workers=True, pure=False,
+                pieces.append(client.submit(rows, future, a, b, workers=where, allow_other_workers=True, pure=False,
                                             key=f"monarch-from_dask-rows-{token}-{position}-{j}"))
         pieces_of[position] = pieces
-    positions = _ranks_along(mesh, dim)
-    workers = mesh.workers
-    session = mesh._session
-    blocks = {}
-    for rank, position in positions.items():
-        blocks[rank] = client.submit(assemble, session.id, token, rank, pieces_of[position], columns_sent, np_dtype,
-                                     (per_rank, *rest), pad, workers=[workers[rank]], allow_other_workers=False,
-                                     pure=False, key=f"monarch-from_dask-{token}-{rank}")
-    done, pending = wait(list(blocks.values()), timeout=timeout)
-    if pending:
-        late = sorted(r for r, f in blocks.items() if f in pending)
-        raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within {timeout} s")
-    for rank, f in blocks.items():
-        if f.status == "error":
-            f.result()
-    torch_dtype = TORCH_DTYPES[np_dtype]
-    shape = (per_rank, *rest)
-
-    def shapes(mesh, token):
-        return torch.empty(shape, dtype=torch_dtype)
-
-    # each block waits on its worker (worker/imports.py, not Dask's data) for this call, which takes it
-    return call_on_mesh(_TAKE_BLOCK, "from_dask", shapes, (mesh, token), {}, mesh=mesh)
+    return pieces_of
 
 
 def _check_pad(pad, np_dtype: np.dtype, what: str) -> None:
@@ -312,91 +429,3 @@ def _check_pad(pad, np_dtype: np.dtype, what: str) -> None:
     same = held is not None and (held == pad or (pad != pad and held != held))
     if not same:
         raise ValueError(f"{what}: pad={pad!r} is not a value of the tensor's dtype {np_dtype}")
-
-
-def _no_tensors(*args, **kwargs):
-    return None
-
-
-def to_dask(tensor: Tensor, dim: str | None = None, *, timeout: float = 300.0):
-    """A ``dask.array.Array`` whose chunks are ``tensor``'s shards along mesh dimension ``dim``, in order: chunk i
-    is the tensor of the rank at position i of ``dim`` (coordinate 0 of the other dimensions), so the array has
-    shape ``(S * tensor.shape[0], *tensor.shape[1:])`` for S ranks along ``dim``, and the numpy dtype of
-    ``tensor.dtype`` (``TypeError`` for bfloat16 and others numpy lacks: cast first).
-
-    Each chunk is a snapshot taken in the mesh's order (a ``CallFunction`` at this point of the program): later
-    mesh work, in-place updates of ``tensor`` included, does not change it. It is made on, and held by Dask on, the
-    worker of its rank (a Dask future; nothing passes through the controller) and lives as long as the array
-    (or what was computed from it) is referenced, also after the session ends, while the mesh's client is open.
-    A shard that cannot be taken (its computation failed) fails the chunk's task with that error when the
-    array is computed; ``timeout`` bounds each task's wait for its snapshot.
-    """
-    import dask.array as da
-
-    shape, np_dtype, futures, _ = _shard_futures(tensor, dim, timeout, "to_dask")
-    return da.concatenate([da.from_delayed(f, shape=shape, dtype=np_dtype) for f in futures], axis=0)
-
-
-def _shard_futures(tensor, dim, timeout: float, what: str):
-    """``(shard shape, numpy dtype, futures, ranks)``: the ``take_export`` tasks of ``tensor``'s shards along
-    ``dim``, and the rank of each."""
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
-                        f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
-    tensor.check_usable()
-    mesh = tensor.mesh
-    dim = mesh_dim(mesh, dim, what)
-    if tensor.dim() == 0:
-        raise ValueError(f"{what}: a 0-d tensor has no rows to shard; reshape it to (1,) first")
-    np_dtype = torch_to_numpy(tensor.dtype, what)
-    session = mesh._session
-    others = {d: 0 for d in mesh.names if d != dim}
-    ranks = list(mesh.slice(**others)._rank_list) if others else list(mesh._rank_list)
-    token = uuid.uuid4().hex[:12]
-    with tensor.stream.activate():
-        call_on_mesh(_EXPORT, "to_dask", _no_tensors, (token, mesh, RawRef(tensor.ref.id), ranks), {}, mesh=mesh)
-    session.flush()
-    client = mesh.client
-    workers = mesh.workers
-    futures = [
-        client.submit(take_export, session.id, token, rank, timeout, workers=[workers[rank]],
-                      allow_other_workers=False, pure=False, key=f"monarch-{what}-{token}-{position}")
-        for position, rank in enumerate(ranks)
-    ]
-    return tuple(tensor.shape), np_dtype, futures, ranks
-
-
-def to_dask_dataframe(tensor: Tensor, dim: str | None = None, columns=None, *, timeout: float = 300.0):
-    """A ``dask.dataframe.DataFrame`` of ``tensor`` (1-D: one column; 2-D: one column per tensor column) whose
-    partitions are the shards along ``dim``, made as ``to_dask`` makes its chunks (the same snapshot rule;
-    each partition is built on the worker holding its shard, nothing through the controller). ``columns`` names
-    the columns (default ``"0"``, ``"1"``, ...; ``ValueError`` if the count differs from the tensor's columns).
-    The index runs 0 .. N-1 over the partitions in order."""
-    import dask.dataframe as dd
-    import pandas as pd
-
-    what = "to_dask_dataframe"
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"{what}: expected a remote dask_monarch Tensor, got {type(tensor).__module__}."
-                        f"{type(tensor).__qualname__} (a local tensor: make it on the mesh, under mesh.activate())")
-    if tensor.dim() not in (1, 2):
-        raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {list(tensor.shape)}")
-    width = 1 if tensor.dim() == 1 else tensor.shape[1]
-    if columns is None:
-        columns = [str(i) for i in range(width)]
-    elif isinstance(columns, str):
-        columns = [columns]
-    columns = list(columns)
-    if len(columns) != width:
-        raise ValueError(f"{what}: {len(columns)} column names {columns} for a tensor of {width} columns")
-    repeated = sorted({c for c in columns if columns.count(c) > 1}, key=str)
-    if repeated:
-        raise ValueError(f"{what}: column names must be unique; {repeated} repeated in {columns}")
-    shape, np_dtype, futures, ranks = _shard_futures(tensor, dim, timeout, what)
-    rows = shape[0]
-    client = tensor.mesh.client
-    workers = [tensor.mesh.workers[rank] for rank in ranks]  # each frame made where its shard is
-    frames = [client.submit(frame, f, columns, i * rows, workers=[w], allow_other_workers=True, pure=False,
-                            key=f"{f.key}-frame") for i, (f, w) in enumerate(zip(futures, workers))]
-    meta = pd.DataFrame({c: np.empty(0, dtype=np_dtype) for c in columns})
-    return dd.from_delayed(frames, meta=meta, divisions=[i * rows for i in range(len(frames))] + [len(frames) * rows - 1])

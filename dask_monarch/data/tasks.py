@@ -2,8 +2,8 @@
 so Dask moves their inputs worker to worker, never through the controller) and the remote functions a mesh's
 streams call. Nothing here imports the controller.
 
-* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (a partition's row count, on its
-  holder), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
+* from_dask: ``PartitionHomes`` (where the partitions are computed), ``nrows`` (the row counts of the partitions one
+  worker holds, there), ``rows`` (a piece of a partition, cut on the worker that holds it), ``assemble`` (a rank's block of
   rows as one numpy array, on the rank's worker, left in ``worker/imports.py``), then the remote function
   ``take_block`` (that block as a tensor, on the rank's stream).
 * to_dask: the remote function ``dask_monarch.worker.exports.export`` (a snapshot in the mesh's order), then
@@ -13,7 +13,7 @@ streams call. Nothing here imports the controller.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 
 import numpy as np
 import torch
@@ -50,9 +50,9 @@ def numpy_dtype_of(dtype: torch.dtype) -> np.dtype:
                         "(e.g. t.float())") from None
 
 
-def nrows(part) -> int:
-    """The number of rows of a partition (a numpy array or a pandas DataFrame)."""
-    return len(part)
+def nrows(*parts) -> list:
+    """The number of rows of each partition (a numpy array or a pandas DataFrame), run where they all are."""
+    return [len(part) for part in parts]
 
 
 def rows(part, start: int, stop: int):
@@ -153,15 +153,21 @@ class PartitionHomes:
         return self.where.get(key, [])
 
 
-async def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
-    """The snapshot ``dask_monarch.worker.exports.export`` makes of rank ``rank``'s shard, waited for on the
-    worker's event loop for at most ``timeout`` seconds (``TimeoutError`` naming the rank)."""
+def take_export(session_id: str, token: str, rank: int, timeout: float) -> np.ndarray:
+    """The snapshot ``dask_monarch.worker.exports.export`` makes of rank ``rank``'s shard, waited for at most
+    ``timeout`` seconds (``TimeoutError`` naming the rank). A task still waiting secedes from the worker's thread
+    pool first (``distributed.secede``, as ``sync_batches`` does): it holds none of the worker's threads, so Dask
+    work the snapshot waits behind (a later ``from_dask``'s reading on a worker of one thread) still runs."""
+    from distributed import secede
+
     from ..worker import exports
 
     future = exports.slot(session_id, token, rank)
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except asyncio.TimeoutError:
+        if not future.done():
+            secede()
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
         raise TimeoutError(f"to_dask: rank {rank} made no snapshot within {timeout} s (is the mesh still running? "
                            "the tensor's stream may be blocked)") from None
     finally:
