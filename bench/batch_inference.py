@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=0, help="untimed rounds of each pipeline first")
-    parser.add_argument("--group", type=int, default=2, help="partitions per rank per group of the mesh pipeline")
+    parser.add_argument("--group", type=int, default=4, help="partitions per rank per group of the mesh pipeline")
     parser.add_argument("--ahead", type=int, default=1, help="groups the mesh pipeline reads ahead")
     parser.add_argument("--batch", type=int, default=8192, help="rows per rank per scoring step of the mesh")
     parser.add_argument("--no-ray", action="store_true")

@@ -9,7 +9,7 @@ predictions a Dask DataFrame whose partitions stay on the workers, and ``to_parq
 Run it::
 
     python examples/batch_inference.py                    # an embedded local cluster of 2 workers
-    python examples/batch_inference.py --repeat 200 --batch 8192 --group 2 --ahead 1
+    python examples/batch_inference.py --repeat 200 --batch 8192 --group 4 --ahead 1
 
 The last line printed is ``accuracy=0.XXXX`` (the predictions read back from the written Parquet files).
 """
@@ -33,7 +33,7 @@ from train_digits_pipe import FEATURES, N_TEST, digits_frame, train, write_parqu
 
 
 def score(mesh, model, data_path: str, out_path: str, batch: int = 8192, progress: bool | None = None,
-          group: int = 2, ahead: int = 1) -> dict:
+          group: int = 4, ahead: int = 1) -> dict:
     """Read ``data_path`` (Parquet: ``p0``..``p63``, ``target``), score every row with ``model`` on ``mesh``,
     write ``target`` and ``prediction`` to ``out_path`` (Parquet, from the workers). Returns the row count, the
     accuracy counted on the mesh and the seconds taken.
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=200, help="copies of the 1797 digits to score")
     parser.add_argument("--files", type=int, default=16, help="Parquet files of the scoring set")
     parser.add_argument("--batch", type=int, default=8192, help="rows per rank per scoring step")
-    parser.add_argument("--group", type=int, default=2, help="partitions per rank per from_dask")
+    parser.add_argument("--group", type=int, default=4, help="partitions per rank per from_dask")
     parser.add_argument("--ahead", type=int, default=1, help="groups read ahead on the workers")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs before scoring")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
