@@ -366,6 +366,8 @@ class Transport:
             for msg in messages:
                 self._handle(rank, msg, note)
             return
+        if chunk < self._answers_next[rank]:  # applied already: it came both ways (the sockets' reader checks late)
+            return
         held = self._answers_held[rank]
         held[chunk] = (messages, note)
         while self._answers_next[rank] in held:
