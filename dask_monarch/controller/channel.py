@@ -57,6 +57,7 @@ class Channels:
         self.mode = mode
         self.comms: list = [None] * session.world_size  # each rank's open comm, or None
         self.links: list = [None] * session.world_size  # each rank's SocketLink, or None
+        self._made: list = []  # every SocketLink made, lost ones included: joined at close
         self._offers: list = [None] * session.world_size  # what each worker offered in the handshake
         #: rank -> why it has no channel (not opened, or lost)
         self.reasons: dict[int, str] = {}
@@ -102,6 +103,7 @@ class Channels:
             else:
                 try:
                     self.links[rank] = SocketLink(self, rank, offer, ssl_context, timeout)
+                    self._made.append(self.links[rank])
                 except Exception as e:
                     why = f"could not connect to {offer['host']}:{offer['port']}: {type(e).__name__}: {e}"
             if why is not None:
@@ -235,10 +237,9 @@ class Channels:
         """Close every channel: the sockets' reader threads are joined (a few seconds at most), the comms closed
         with no wait."""
         self._closing = True
-        links, self.links = self.links, [None] * len(self.links)
-        for link in links:
-            if link is not None:
-                link.close()
+        self.links = [None] * len(self.links)
+        for link in self._made:
+            link.close()
         comms, self.comms = self.comms, [None] * len(self.comms)
         for comm in comms:
             if comm is not None:

@@ -117,6 +117,10 @@ class SocketLink:
                 up.settimeout(self.ACK_DELAY)
         except Exception as e:
             self._lose(e)
+        finally:  # this thread owns the sockets from here: nobody writes on a lost link
+            with self._lock:
+                self.down.close()
+            up.close()
 
     def _idle(self) -> None:
         """No answer for ``ACK_DELAY`` seconds: acknowledge what no batch carried meanwhile (on the reader)."""
@@ -144,15 +148,12 @@ class SocketLink:
         self.channels._socket_lost(self.rank, self, error)
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the link (the session ends): shut both sockets down, join the reader (at most ``timeout`` seconds),
-        close them."""
+        """End the link (the session ends): shut both sockets down and join the reader (at most ``timeout``
+        seconds), which closes them."""
         with self._lost_lock:
             if self.lost is None:
                 self.lost = ConnectionAbortedError("the session ended")
         shutdown(self.down)
         shutdown(self.up)
         if self.thread is not threading.current_thread():
-            self.thread.join(timeout)
-        with self._lock:
-            self.down.close()
-        self.up.close()
+            self.thread.join(timeout)  # the thread closes them as it ends
