@@ -24,6 +24,7 @@ or break, or time out, goes on through it as before. Dask config ``monarch.answe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import pickle
 import threading
@@ -88,29 +89,34 @@ class Channels:
             self._connect_sockets(timeout)
 
     def _connect_sockets(self, timeout: float) -> None:
-        """Connect the answer sockets each worker offered (from this thread; each within ``timeout`` seconds)."""
+        """Connect the answer sockets each worker offered, every rank at once (each within ``timeout`` seconds)."""
         ssl_context = self.client.connection_args.get("ssl_context")
-        for rank, offer in enumerate(self._offers):
-            comm = self.comms[rank]
-            if comm is None:
-                continue
-            why = None
-            if offer is None or "refused" in offer:
-                why = "the worker offered none" if offer is None else f"the worker refused: {offer['refused']}"
-            elif offer["tls"] != (ssl_context is not None):
-                why = ("the worker's sockets want TLS and the client has no TLS context" if offer["tls"] else
-                       "the worker's sockets have no TLS and the client uses TLS")
-            else:
-                try:
-                    self.links[rank] = SocketLink(self, rank, offer, ssl_context, timeout)
-                    self._made.append(self.links[rank])
-                except Exception as e:
-                    why = f"could not connect to {offer['host']}:{offer['port']}: {type(e).__name__}: {e}"
-            if why is not None:
+        ranks = [rank for rank in range(len(self.comms)) if self.comms[rank] is not None]
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(ranks)))) as pool:
+            for rank, why in zip(ranks, pool.map(lambda r: self._connect_rank(r, ssl_context, timeout), ranks)):
+                if why is None:
+                    continue
                 self.socket_reasons[rank] = why
+                offer = self._offers[rank]
                 if offer is not None and "refused" not in offer:  # the worker stops waiting for them
-                    self.client.loop.add_callback(self._write, rank, comm, {"n": why})
+                    self.client.loop.add_callback(self._write, rank, self.comms[rank], {"n": why})
         self._offers = [None] * len(self._offers)
+
+    def _connect_rank(self, rank: int, ssl_context, timeout: float) -> str | None:
+        """Connect rank ``rank``'s answer sockets; None, or why it has none."""
+        offer = self._offers[rank]
+        if offer is None or "refused" in offer:
+            return "the worker offered none" if offer is None else f"the worker refused: {offer['refused']}"
+        if offer["tls"] != (ssl_context is not None):
+            return ("the worker's sockets want TLS and the client has no TLS context" if offer["tls"] else
+                    "the worker's sockets have no TLS and the client uses TLS")
+        try:
+            link = SocketLink(self, rank, offer, ssl_context, timeout)
+        except Exception as e:
+            return f"could not connect to {offer['host']}:{offer['port']}: {type(e).__name__}: {e}"
+        self._made.append(link)
+        self.links[rank] = link
+        return None
         if self.socket_reasons:
             logger.warning("dask_monarch: session %s: no answer sockets to %s; their batches and answers go on the "
                            "Dask comm channel", self.session._key,

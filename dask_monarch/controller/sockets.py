@@ -92,7 +92,7 @@ class SocketLink:
                 send_frame(self.down, msg, self.SEND_TIMEOUT)
                 return True
             except OSError as e:
-                error = e
+                error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
         self._lose(error)
         return False
 
@@ -133,7 +133,7 @@ class SocketLink:
             try:
                 send_frame(self.down, {"a": acks}, self.SEND_TIMEOUT)
             except OSError as e:
-                error = e
+                error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
         if error is not None:
             self._lose(error)
 
@@ -142,7 +142,7 @@ class SocketLink:
         with self._lost_lock:
             if self.lost is not None:
                 return
-            self.lost = error
+            self.lost = error.with_traceback(None)  # kept: its frames would keep the session (a cycle)
         shutdown(self.down)
         shutdown(self.up)
         self.channels._socket_lost(self.rank, self, error)

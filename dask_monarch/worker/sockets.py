@@ -81,7 +81,7 @@ class SocketEnd:
                 for chunk in msg.get("a", ()):
                     outbox.acked(chunk)
         except Exception as e:  # closed, broken, or never connected
-            error = e
+            error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
         finally:
             self._end(error)
 
@@ -148,7 +148,7 @@ class SocketEnd:
                     if closed:
                         send_frame(self._up, {"x": True}, SEND_TIMEOUT)
                 except OSError as e:
-                    error = e
+                    error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
                     self._broken = True
         if stale or error is not None:
             if error is not None:
