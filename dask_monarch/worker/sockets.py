@@ -30,6 +30,7 @@ import threading
 import time
 
 from ..protocol.frames import ACCEPTED, DOWN, TOKEN_BYTES, UP, recv_exact, recv_frame, send_frame, shutdown
+from .gloo import LISTENING
 
 __all__ = ["SocketEnd", "ACCEPT_TIMEOUT", "SEND_TIMEOUT"]
 
@@ -52,7 +53,8 @@ class SocketEnd:
         self._ssl = ssl_context
         self._on_lost = on_lost
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family)
+        with LISTENING:  # a gloo device being made meanwhile must not take it for its own (``worker/gloo.py``)
+            self._listener = socket.create_server((host, 0), family=family)
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self.offer = {"host": host, "port": self._listener.getsockname()[1], "token": self._token,
                       "tls": ssl_context is not None}
