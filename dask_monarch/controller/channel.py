@@ -15,9 +15,10 @@ before; what a broken channel did not deliver comes with the tasks.
 
 The fast path (``mode="socket"``, the default): in the handshake the worker also offers a pair of answer sockets
 (``sockets.py``, ``worker/sockets.py``), and once they are connected the batches and the answers travel on them,
-written by the thread that sends and read by a thread at each end, with no event loop in between (``bench/handoffs.py``:
-one small request/answer that way takes about a fifth of the time it takes through a Dask comm). The comm stays open beside them: a rank whose sockets cannot be opened,
-or break, or time out, goes on through it as before. Dask config ``monarch.answer-channel``: ``true`` or
+written by the thread that sends and read by a thread at each end, with no event loop in between
+(``bench/handoffs.py``: one small request/answer that way takes about a fifth of the time it takes through a Dask
+comm). The comm stays open beside them: a rank whose sockets cannot be opened, or break, or time out, goes on
+through it as before. Dask config ``monarch.answer-channel``: ``true`` or
 ``socket`` (the default) for the sockets, ``comm`` for the comm channel alone, ``false`` for tasks alone.
 """
 
