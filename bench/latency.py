@@ -6,7 +6,9 @@
     the target of 1 ms p50. The baseline measured in the same run: Dask's ``client.run`` of ``os.getpid`` on one
     worker (Dask's own request/answer with a worker: client -> scheduler -> worker and back, no task).
 
-Usage: imported by ``bench/dispatch.py``; ``python bench/latency.py [--scheduler ADDR] [-n N]`` alone.
+Usage: imported by ``bench/dispatch.py``; ``python bench/latency.py [--scheduler ADDR] [-n N]`` alone;
+``--answer-channel both --repeat 3`` times the answer sockets and the comm channel alone alternately in one run and
+prints the ratio socket / comm.
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ def bench_baseline(client, n: int) -> dict:
     return _rounds(lambda: client.run(os.getpid, workers=[worker]), n)
 
 
-def bench_all(client, n: int = 200) -> dict:
+def bench_all(client, n: int = 200, answer_channel=None) -> dict:
+    """Every case; ``answer_channel`` as ``attach``'s (default: Dask config ``monarch.answer-channel``)."""
     client.wait_for_workers(2, timeout=120)
+    options = {} if answer_channel is None else {"answer_channel": answer_channel}
     figures = {"baseline": bench_baseline(client, n)}
-    with dm.attach(client, dims={"w": 1}) as one:
+    with dm.attach(client, dims={"w": 1}, **options) as one:
         figures[1] = bench_mesh(one, n)
-    with dm.attach(client, dims={"dp": 2}) as two:
+    with dm.attach(client, dims={"dp": 2}, **options) as two:
         figures[2] = bench_mesh(two, n)
     return figures
 
@@ -89,6 +93,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheduler", default=None, help="address of an existing cluster (default: embedded)")
     parser.add_argument("-n", type=int, default=200, help="rounds per case (default 200)")
+    parser.add_argument("--answer-channel", choices=["socket", "comm", "both"], default=None,
+                        help="the answer channel's path (default: Dask config monarch.answer-channel, else socket); "
+                             "both: the two alternately, --repeat times each, in one run")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each path with --answer-channel both")
     args = parser.parse_args(argv)
     from distributed import Client
 
@@ -100,16 +108,29 @@ def main(argv=None) -> None:
     else:
         cluster = start_local_cluster(2, silence_logs=40)
         client = Client(cluster, set_as_default=False)
+    paths = ["socket", "comm"] * args.repeat if args.answer_channel == "both" else [args.answer_channel]
+    runs = []
     try:
-        figures = bench_all(client, args.n)
+        for path in paths:
+            runs.append((path, bench_all(client, args.n, path), os.getloadavg()[0]))
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
-    print(f"\ndask_monarch latency ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.n} rounds)")
-    print(f"{'case':<44}{'through the mesh':>22}{'baseline':>18}{'ratio':>8}")
-    for label, value, base, ratio in rows(figures):
-        print(f"{label:<44}{value:>22}{base:>18}{ratio:>8}" if value else label)
+    for path, figures, load in runs:
+        print(f"\ndask_monarch latency ({os.cpu_count()} cores; load average {load:.1f}; {args.n} rounds; "
+              f"answer channel: {path or 'default'})")
+        print(f"{'case':<44}{'through the mesh':>22}{'baseline':>18}{'ratio':>8}")
+        for label, value, base, ratio in rows(figures):
+            print(f"{label:<44}{value:>22}{base:>18}{ratio:>8}" if value else label)
+    if args.answer_channel == "both":
+        print("\nratio socket / comm of the p50s (median over the runs):")
+        for ranks in (1, 2):
+            for name in ("inspect", "fetch_shard", "sync"):
+                ratio = [f[ranks][name]["p50"] for p, f, _ in runs if p == "socket"]
+                base = [f[ranks][name]["p50"] for p, f, _ in runs if p == "comm"]
+                print(f"    {name}, {ranks} rank{'s' if ranks > 1 else ''}: "
+                      f"{statistics.median(ratio) / statistics.median(base):.2f}")
 
 
 if __name__ == "__main__":

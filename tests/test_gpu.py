@@ -276,3 +276,18 @@ def test_command_line_workers_take_distinct_gpus(tmp_path, visible):
                 assert torch.equal(fetch(total, gpu=1), torch.full((8,), 2.0))
     finally:
         gen.close()
+
+
+def test_fetches_from_gpu_workers_come_back_on_the_answer_sockets(mesh):
+    """Issue 13 item 1 on GPU workers: a fetched CUDA tensor (copied to the CPU on the worker) and a sync are
+    answered on the answer sockets (``controller/sockets.py``), with the right values."""
+    channels = mesh._session.channels
+    assert all(link is not None for link in channels.links), channels.socket_reasons
+    with mesh.activate():
+        t = torch.arange(4.0) + mesh.rank("gpu")
+        big = torch.ones(1 << 20) * mesh.rank("gpu")  # 4 MiB: larger than one socket buffer
+    before = list(channels.socket_chunks)
+    assert fetch(t, gpu=1).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert fetch(big, gpu=1).sum().item() == float(1 << 20)
+    mesh._session.sync("after the GPU fetches").result(timeout=TIMEOUT)
+    assert channels.socket_chunks[1] >= before[1] + 3 and channels.comm_chunks == [0, 0]

@@ -133,17 +133,29 @@ def cli_client(cli_cluster):
             client.close()
 
 
+def _tcp_sockets(process) -> int:
+    return len(process.net_connections(kind="tcp") if hasattr(process, "net_connections")
+               else process.connections(kind="tcp"))
+
+
 def test_thirty_sessions_leave_worker_memory_threads_and_fds_at_the_baseline(cli_client):
+    """... and on the controller: its threads of those sessions (flusher, answers, answer sockets' readers), its
+    file descriptors and TCP sockets (the answer sockets, ``controller/sockets.py``) are back at the baseline."""
+    import psutil
+
     client = cli_client
+    me = psutil.Process()
     controller_threads = {t.name for t in threading.enumerate()}
     one_session(client)
     baseline = settled(client)
+    controller_fds, controller_sockets = me.num_fds(), _tcp_sockets(me)
     for _ in range(29):
         one_session(client)
     assert_back_to(baseline, settled(client), "after 30 sessions")
-    # the controller's threads of those sessions (flusher, answers) are gone too
     assert wait_until(lambda: not [t for t in threading.enumerate()
                                    if t.name.startswith("monarch-") and t.name not in controller_threads], 30)
+    assert me.num_fds() - controller_fds <= FD_MARGIN, (controller_fds, me.num_fds())
+    assert _tcp_sockets(me) - controller_sockets <= FD_MARGIN, (controller_sockets, _tcp_sockets(me))
 
 
 CONTROLLER = """

@@ -83,3 +83,25 @@ def test_no_warning_on_a_plain_tcp_cluster(client1, fresh_warning):
         warnings.simplefilter("error", sec_module.UnencryptedCommsWarning)
         with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:
             assert dm.inspect(mesh.rank("workers")).item() == 0
+
+
+def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
+    """The answer sockets (``controller/sockets.py``) of a TLS cluster are TLS sockets, with the cluster's
+    certificates, and answer the fetches."""
+    import ssl
+
+    address, security = tls
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sec_module.UnencryptedCommsWarning)
+        with dm.attach(address, dims={"dp": 2}, security=security, comm_timeout=60) as mesh:
+            channels = mesh._session.channels
+            assert all(link is not None for link in channels.links), channels.socket_reasons
+            for link in channels.links:
+                assert isinstance(link.down, ssl.SSLSocket) and isinstance(link.up, ssl.SSLSocket)
+                assert link.down.version() is not None  # the handshake was made
+            with mesh.activate():
+                t = torch.arange(3.0) + mesh.rank("dp")
+            assert dm.inspect(t, dp=1).tolist() == [1.0, 2.0, 3.0]
+            assert dm.fetch_shard(t, dp=0).result(timeout=60).tolist() == [0.0, 1.0, 2.0]
+            assert channels.socket_chunks[0] > 0 and channels.socket_chunks[1] > 0
+            assert channels.comm_chunks == [0, 0]

@@ -29,7 +29,7 @@ from ..exceptions import RemoteException, SessionError
 from ..protocol import ArgsKwargs, CallFunction, CreateStream, FunctionPath, StreamCreationMode, StreamRef
 from ..worker.tensor_worker import SessionParams
 from .answers import Answers
-from .channel import Channels
+from .channel import MODES, Channels
 from .bookkeeping import Bookkeeping
 from .coalescing import refuse_wait
 from .future import MonarchFuture
@@ -74,8 +74,9 @@ class Session(Transport, Bookkeeping, Liveness):
     mesh may go without a heartbeat to the scheduler (a stopped or wedged process: Dask itself waits for its
     worker-ttl, 5 minutes) before the session fails naming it (default: Dask config ``monarch.heartbeat-timeout``,
     else 30 s); ``answer_channel`` opens an answer channel to each rank's worker (``channel.py``: batches go out on it
-    at once and answers come back on it, about 1 ms a fetch instead of 10; default: Dask config
-    ``monarch.answer-channel``, else True); ``task_interval`` (seconds) is how long a batch sent on a channel may
+    at once and answers come back on it, about 1 ms a fetch instead of 10): ``True`` or ``"socket"`` with its
+    answer sockets (the fast path, ``sockets.py``), ``"comm"`` through the Dask comm alone, ``False`` for none
+    (``ValueError`` for anything else; default: Dask config ``monarch.answer-channel``, else True); ``task_interval`` (seconds) is how long a batch sent on a channel may
     wait before its Dask task is submitted (the batches of a rank in that time travel as one task);
     ``record_answers`` keeps every controller message received in ``answers`` (for tests and debugging);
     ``session_id`` is the id to use (default: a new uuid; attach registers it with the scheduler first). Dask
@@ -112,8 +113,11 @@ class Session(Transport, Bookkeeping, Liveness):
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if answer_channel is None:
             answer_channel = dask.config.get("monarch.answer-channel", True)
-        if not isinstance(answer_channel, bool):
-            raise ValueError(f"answer_channel (Dask config monarch.answer-channel) must be a bool, got {answer_channel!r}")
+        if answer_channel is True:
+            answer_channel = "socket"
+        if answer_channel is not False and answer_channel not in MODES:
+            raise ValueError("answer_channel (Dask config monarch.answer-channel) must be true, false, "
+                             f"{' or '.join(map(repr, MODES))}, got {answer_channel!r}")
         stuck_after = dask.config.get("monarch.dashboard.stuck-after", 60.0)
         if (isinstance(stuck_after, bool) or not isinstance(stuck_after, (int, float))
                 or not 0 < stuck_after < math.inf):
@@ -163,7 +167,7 @@ class Session(Transport, Bookkeeping, Liveness):
         interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
         self._answers = Answers(self, self._key)  # never Dask's shared callback thread (answers.py)
         if answer_channel:
-            self.channels = Channels(self)
+            self.channels = Channels(self, answer_channel)
             self.channels.open(self.CHANNEL_TIMEOUT)
             if self.channels.reasons:
                 logger.warning("dask_monarch: session %s: no answer channel to %s; their answers come back as Dask "

@@ -231,15 +231,16 @@ class Transport:
             if entries:
                 self._submit(rank)
 
-    def _channel_lost(self, rank: int, error: BaseException) -> None:
-        """Rank ``rank``'s channel broke (on the event loop): its batches go as tasks at once from now on, and
-        the tasks of those already sent on it are submitted now (the flusher does it: no lock here)."""
+    def _channel_lost(self, rank: int, error: BaseException, what: str = "answer channel",
+                      instead: str = "Dask task results") -> None:
+        """Rank ``rank``'s channel (``what``: its comm, or its answer sockets) broke (on the event loop, or the
+        sockets' thread): its batches go on the way left (``instead``), and the tasks of those already sent on it
+        are submitted now (the flusher does it: no lock here)."""
         # the program closing its own Client under the session closes the channels too: no news then
         quiet = self.closed or getattr(self.client, "status", None) in ("closing", "closed")
         logger.log(logging.DEBUG if quiet else logging.WARNING,
-                   "dask_monarch: session %s: the answer channel to rank %d (%s) closed (%s: %s); its answers come "
-                   "back as Dask task results from now on", self._key, rank, self.workers[rank],
-                   type(error).__name__, error)
+                   "dask_monarch: session %s: the %s to rank %d (%s) closed (%s: %s); its answers come back on %s "
+                   "from now on", self._key, what, rank, self.workers[rank], type(error).__name__, error, instead)
         self._later_due = time.monotonic()
         self._wake.set()
 
@@ -374,6 +375,8 @@ class Transport:
         if chunk is None:  # the session had already ended on that worker
             for msg in messages:
                 self._handle(rank, msg, note)
+            return
+        if chunk < self._answers_next[rank]:  # applied already: it came both ways (the sockets' reader checks late)
             return
         held = self._answers_held[rank]
         held[chunk] = (messages, note)

@@ -4,7 +4,10 @@
 connection per (session, worker) with its ``Client``'s connection arguments (its ``Security``: TLS when the
 cluster uses it) and sends ``{"op": "monarch_channel", "params": <pickled SessionParams>}``; the handler answers
 ``{"ready": <actor id>}`` (or ``{"closed": <why>}`` if the session ended here) and then serves the connection
-until either side closes it:
+until either side closes it. With ``"sockets": True`` in the request, the answer also carries ``"sockets"``: the
+offer of a pair of answer sockets (``worker/sockets.py``: a blocking socket each way, written by the thread that
+sends, the fast path), or ``{"refused": <why>}``; once they are connected the outbox pushes on them, and this comm
+takes over again if they break. The controller sends ``{"n": <why>}`` when it does not connect them. On the comm:
 
 * controller -> worker: ``{"b": batch, "s": segments}``, a batch that also travels as a pinned Dask task (the
   inbox takes whichever copy comes first and ignores the other), with ``"a": [chunk, ...]``, the answer chunks
@@ -21,6 +24,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+
+from distributed.comm.addressing import get_address_host
+
+from .sockets import SocketEnd
 
 __all__ = ["CHANNEL_OP", "serve"]
 
@@ -42,10 +49,9 @@ class _Channel:
         self.loop.add_callback(self._push, closed)
 
     async def _push(self, closed: bool) -> None:
-        taken = self.outbox.push()
         try:
-            if taken is not None:
-                await self.comm.write({"c": taken[0], "d": taken[1]})
+            for chunk, blob in self.outbox.push():
+                await self.comm.write({"c": chunk, "d": blob})
             if closed:
                 await self.comm.write({"x": True})
         except Exception as e:  # closed: the chunk stays retained, for the next sync task
@@ -57,9 +63,21 @@ def _segment(segment):
     return tuple(segment) if type(segment) is list else segment  # a stream segment, as msgpack gives it back
 
 
-async def serve(plugin, comm, params: bytes) -> None:
+def _offer_sockets(plugin, tw, on_lost):
+    """``(SocketEnd, its offer)`` for session ``tw`` on this worker, or ``(None, {"refused": why})``."""
+    worker = plugin.worker
+    try:
+        host = get_address_host(worker.address)
+        ssl_context = worker.security.get_listen_args("worker").get("ssl_context")
+        end = SocketEnd(tw.session_id, tw.rank, tw.inbox, tw.outbox, host, ssl_context, on_lost)
+    except Exception as e:  # an address without a host (inproc://), no port free, ...
+        return None, {"refused": f"{type(e).__name__}: {e}"}
+    return end, end.offer
+
+
+async def serve(plugin, comm, params: bytes, sockets: bool = False) -> None:
     """Serve one answer channel for ``plugin`` (``MonarchWorkerPlugin``) on ``comm``; ``params`` is the pickled
-    ``SessionParams`` of the session's rank on this worker."""
+    ``SessionParams`` of the session's rank on this worker; ``sockets``: offer the answer sockets too."""
     params = pickle.loads(params)
     tw = plugin.tensor_worker(params)
     if tw is None:
@@ -67,18 +85,37 @@ async def serve(plugin, comm, params: bytes) -> None:
         await comm.write({"closed": why})
         return
     channel = _Channel(comm, plugin.worker.loop, tw.outbox)
-    await comm.write({"ready": tw.actor_id})
-    tw.outbox.attach(channel)
     inbox, outbox = tw.inbox, tw.outbox
+    serving = True
+
+    def sockets_lost(error) -> None:  # on the socket's thread: the comm pushes again, if still open
+        if serving:
+            outbox.attach(channel)
+
+    end, offer = _offer_sockets(plugin, tw, sockets_lost) if sockets else (None, None)
+    answer = {"ready": tw.actor_id}
+    if offer is not None:
+        answer["sockets"] = offer
+    del tw  # this coroutine lives as long as the channel: it must not keep the session's state alive
     try:
+        await comm.write(answer)
+        outbox.attach(channel)
+        if end is not None:
+            end.attach()
         while True:
             msg = await comm.read()
             if "b" in msg:
                 inbox.put(msg["b"], [_segment(s) for s in msg["s"]])
             for chunk in msg.get("a", ()):
                 outbox.acked(chunk)
+            if "n" in msg and end is not None:
+                logger.debug("dask_monarch: the controller did not connect the answer sockets: %s", msg["n"])
+                end.close()
     except Exception:  # the controller closed it, or it broke: tasks carry everything from now on
         pass
     finally:
+        serving = False
+        if end is not None:
+            end.close()
         outbox.detach(channel)
         comm.abort()

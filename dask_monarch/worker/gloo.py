@@ -27,9 +27,11 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["closed_sockets", "create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
+__all__ = ["LISTENING", "closed_sockets", "create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
 
-_lock = threading.Lock()  # one device at a time per process, so that a new listening socket is that device's
+#: held while a listening socket is opened in this process (one gloo device at a time, and the session's answer
+#: sockets, ``worker/sockets.py``), so that the one new listening socket ``create_device`` finds is that device's
+LISTENING = threading.Lock()
 
 
 def _fd_dir() -> str | None:
@@ -39,8 +41,10 @@ def _fd_dir() -> str | None:
     return None
 
 
-def _socket_fds() -> set[int]:
-    """This process's socket descriptors (every descriptor where that cannot be told, i.e. without /proc)."""
+def _socket_fds() -> set[tuple[int, str | None]]:
+    """This process's socket descriptors, each with what it refers to (``socket:[inode]``, so that a descriptor
+    closed and reused by another socket meanwhile counts as new); every descriptor, with None, where that cannot be
+    told (without /proc)."""
     path = _fd_dir()
     if path is None:
         return set()
@@ -48,13 +52,15 @@ def _socket_fds() -> set[int]:
     for name in os.listdir(path):
         if not name.isdigit():
             continue
+        identity = None
         if path == "/proc/self/fd":
             try:
-                if not os.readlink(f"{path}/{name}").startswith("socket:"):
-                    continue
+                identity = os.readlink(f"{path}/{name}")
             except OSError:  # closed meanwhile
                 continue
-        fds.add(int(name))
+            if not identity.startswith("socket:"):
+                continue
+        fds.add((int(name), identity))
     return fds
 
 
@@ -91,11 +97,11 @@ def _inspect(fd: int):
 def create_device(hostname: str):
     """A gloo device on ``hostname`` (``ProcessGroupGloo.create_device``) and the ``(ip, port)`` it listens on,
     or None if that could not be told (then ``shutdown_connections`` finds only the connections to peers)."""
-    with _lock:
+    with LISTENING:
         before = _socket_fds()
         device = dist.ProcessGroupGloo.create_device(hostname=hostname)
         found = []
-        for fd in _socket_fds() - before:
+        for fd, _ in _socket_fds() - before:
             info = _inspect(fd)
             if info is None:
                 continue
@@ -126,7 +132,7 @@ def _group_connections(own, peers):
     """``(fd, dup)`` for each connected TCP socket of this process that belongs to the gloo group of ``own`` and
     ``peers`` (see ``shutdown_connections``); ``dup`` is a duplicate of it that the caller closes."""
     peers = {tuple(p) for p in peers if p}
-    for fd in _socket_fds():
+    for fd, _ in _socket_fds():
         info = _inspect(fd)
         if info is None:
             continue

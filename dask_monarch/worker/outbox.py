@@ -5,9 +5,11 @@
 Chunks are numbered 0, 1, ... in the order they are taken, whoever takes them, and the controller applies a rank's
 chunks in that order (``controller/transport.py``), so they may travel two ways:
 
-* pushed on the session's answer channel (``worker/channel.py``), when the controller opened one: a ``Status`` or
-  ``SessionFailed`` (what the controller waits for) wakes the channel, which takes the chunk on the worker's event
-  loop and writes it. A pushed chunk is *retained* until the controller acknowledges it;
+* pushed on the session's answer channel when the controller opened one: a ``Status`` or ``SessionFailed`` (what
+  the controller waits for) wakes the channel, which takes the chunk and writes it: the answer socket
+  (``worker/sockets.py``) from the waking thread itself, the comm channel (``worker/channel.py``) on the worker's
+  event loop. A pushed chunk is *retained* until the controller acknowledges it, and pushed again by the channel
+  attached after the one that broke;
 * returned by a ``sync_batch`` task (``for_task``): with a channel, the task first waits, at most ``settle``
   seconds, for the pushes under way and their acknowledgements, then takes what is still retained (the channel
   broke, or the controller is slow to acknowledge: the controller ignores a chunk it already has) and the rest of
@@ -60,6 +62,7 @@ class Outbox:
         self._retained: dict[int, bytes] = {}  # pushed and not yet acknowledged
         self._channel = None
         self._scheduled = False  # a push is on its way to the event loop
+        self._resend = False  # the channel attached last has not yet pushed the retained chunks
 
     def __len__(self) -> int:
         return len(self._messages)
@@ -89,13 +92,27 @@ class Outbox:
 
     # -------------------------------------------------------------------------------------------- channel
     def attach(self, channel) -> None:
-        """Push on ``channel`` from now on (``channel.wake()`` is called from any thread; it calls ``push``)."""
+        """Push on ``channel`` from now on (``channel.wake()`` is called from any thread; it calls ``push``); the
+        chunks retained for another channel (one that broke) are pushed again on it first."""
         with self._cond:
             self._channel = channel
             self._scheduled = False
-        if self._messages:  # what came before it was opened goes at once
-            self._scheduled = True
+            self._resend = bool(self._retained)
+            wake = self._resend or bool(self._messages)
+            if wake:  # what came before it was opened goes at once
+                self._scheduled = True
+        if wake:
             channel.wake()
+
+    def stale(self, channel, closed: bool = False) -> None:
+        """A wake came to ``channel`` after it broke: hand it to the channel attached now, if any."""
+        with self._cond:
+            current = self._channel
+            if current is None or current is channel:
+                self._scheduled = False
+                return
+            self._scheduled = True
+        current.wake(closed)
 
     def detach(self, channel) -> None:
         """``channel`` broke or closed: tasks take every answer from now on, those it did not deliver included."""
@@ -105,15 +122,21 @@ class Outbox:
             self._scheduled = False
             self._cond.notify_all()
 
-    def push(self) -> tuple[int, bytes] | None:
-        """The chunk to push now (kept until ``acked``), or None. On the channel's event loop."""
+    def push(self) -> list[tuple[int, bytes]]:
+        """The chunks to push now, in order (each kept until ``acked``): those retained for a channel that broke,
+        once, then everything queued as a new chunk; maybe none. Called by the channel, on its own thread."""
         with self._cond:
             self._scheduled = False
+            chunks = []
+            if self._resend:
+                self._resend = False
+                chunks = sorted(self._retained.items())
             taken = self._take()
             if taken is not None:
                 self._retained[taken[0]] = taken[1]
+                chunks.append(taken)
             self._cond.notify_all()  # a task waiting for the pushes under way: this one is done
-            return taken
+            return chunks
 
     def closed(self) -> None:
         """The session ended on this worker: the channel pushes what is left, then says so (``{"x": True}``)."""

@@ -69,9 +69,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
         """The heartbeat metric (``worker_snapshot``)."""
         return worker_snapshot(self)
 
-    async def channel(self, comm, params: bytes) -> None:
-        """Handler ``monarch_channel``: serve a session's answer channel on ``comm`` (``worker/channel.py``)."""
-        await serve(self, comm, params)
+    async def channel(self, comm, params: bytes, sockets: bool = False) -> None:
+        """Handler ``monarch_channel``: serve a session's answer channel on ``comm``, and with ``sockets`` offer its
+        answer sockets (``worker/channel.py``, ``worker/sockets.py``)."""
+        await serve(self, comm, params, sockets)
 
     def end_session(self, session_id: str, reason: str, owner_left: bool = False) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the

@@ -1,0 +1,159 @@
+"""``SocketLink``: the controller's end of one rank's answer sockets, the fast path of a session's answer channel
+(issue 13 item 1; DESIGN.md "Decisions": what the controller waits for may come back on a faster path;
+``protocol/frames.py`` is the wire format, ``worker/sockets.py`` the other end).
+
+The worker offers them over the Dask comm of the answer channel (``channel.py``), which carries the client's
+``Security``: a host, a port its OS picked, a one-time random token, and whether it wants TLS. The link connects
+twice (a *down* socket for batches and acknowledgements, an *up* one for answers), with the client's
+``ssl_context`` (``Security.get_connection_args("client")``) when the cluster uses TLS, and presents the token
+first. Then:
+
+* the thread that flushes (the program's, or the flusher) writes each batch with ``sendall`` itself (``send``),
+  with the acknowledgements of the answer chunks received since, bounded by ``SEND_TIMEOUT`` seconds plus one per
+  ``frames.MIN_RATE`` bytes, so that a stopped worker (SIGSTOP) never blocks the controller for long;
+* the ``monarch-<session>-socket-r<rank>`` thread reads the answer chunks and applies them at once
+  (``Session._on_chunk``, in the rank's chunk order with those that come in task results), and acknowledges those
+  that no batch carried within ``ACK_DELAY`` seconds.
+
+A socket that breaks or times out ends the link: the rank's batches go on the comm channel and its answers come
+back there (``Channels._socket_lost``), nothing lost (the Dask tasks carry every batch; the worker pushes again
+what was not acknowledged).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from ..protocol.frames import ACCEPTED, DOWN, UP, recv_exact, recv_frame, send_frame, shutdown
+
+__all__ = ["SocketLink"]
+
+logger = logging.getLogger("dask_monarch.controller")
+
+
+def _connect(offer: dict, direction: bytes, ssl_context, timeout: float) -> socket.socket:
+    """One socket to the worker's offer, the token presented and accepted, within ``timeout`` seconds."""
+    raw = socket.create_connection((offer["host"], offer["port"]), timeout=timeout)
+    sock = raw
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(raw, server_hostname=offer["host"])
+        sock.sendall(offer["token"] + direction)
+        if bytes(recv_exact(sock, 1)) != ACCEPTED:
+            raise ConnectionRefusedError("the worker refused the token")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class SocketLink:
+    """Rank ``rank``'s answer sockets for ``channels`` (``Channels``), connected from ``offer`` within ``timeout``
+    seconds (``OSError``, ``ssl.SSLError`` or ``EOFError`` if they cannot be). ``send(batch, segments)`` (under the
+    session lock) writes a batch: False if the link is lost (``lost`` says why); ``close()`` ends it."""
+
+    #: seconds a batch's write may take (plus one per ``frames.MIN_RATE`` bytes) before the link counts as lost
+    SEND_TIMEOUT = 5.0
+    #: seconds an answer chunk's acknowledgement may wait to travel with the rank's next batch before it goes alone
+    ACK_DELAY = 0.002
+
+    def __init__(self, channels, rank: int, offer: dict, ssl_context, timeout: float):
+        self.channels = channels
+        self.rank = rank
+        self.down = _connect(offer, DOWN, ssl_context, timeout)
+        try:
+            self.up = _connect(offer, UP, ssl_context, timeout)
+        except BaseException:
+            self.down.close()
+            raise
+        self.lost: BaseException | None = None
+        self._lock = threading.Lock()  # writes on the down socket, and the pending acknowledgements
+        self._acks: list = []
+        self._lost_lock = threading.Lock()
+        key = channels.session.id[:8]
+        self.thread = threading.Thread(target=self._read, name=f"monarch-{key}-socket-r{rank}", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------------------------------------ sending
+    def send(self, batch: int, segments: list) -> bool:
+        """Write batch ``batch`` (its segments) with the pending acknowledgements, from this thread. False if the
+        link is lost, or is lost now (the socket broke, or the worker did not take the batch in time)."""
+        with self._lock:
+            if self.lost is not None:
+                return False
+            msg = {"b": batch, "s": segments}
+            if self._acks:
+                msg["a"], self._acks = self._acks, []
+            try:
+                send_frame(self.down, msg, self.SEND_TIMEOUT)
+                return True
+            except OSError as e:
+                error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
+        self._lose(error)
+        return False
+
+    # ------------------------------------------------------------------------------------------------ answers
+    def _read(self) -> None:
+        rank, up, channels = self.rank, self.up, self.channels
+        session = channels.session
+        counts = channels.socket_chunks
+        try:
+            while True:
+                msg = recv_frame(up, self._idle)
+                if "x" in msg:
+                    channels.ended.add(rank)
+                    continue
+                counts[rank] += 1
+                try:
+                    session._on_chunk(rank, msg["d"])
+                except Exception:  # a bug here must not end the link: later answers still count
+                    logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
+                with self._lock:
+                    self._acks.append(msg["c"])
+                up.settimeout(self.ACK_DELAY)
+        except Exception as e:
+            self._lose(e)
+        finally:  # this thread owns the sockets from here: nobody writes on a lost link
+            with self._lock:
+                self.down.close()
+            up.close()
+
+    def _idle(self) -> None:
+        """No answer for ``ACK_DELAY`` seconds: acknowledge what no batch carried meanwhile (on the reader)."""
+        self.up.settimeout(None)
+        error = None
+        with self._lock:
+            if not self._acks or self.lost is not None:
+                return
+            acks, self._acks = self._acks, []
+            try:
+                send_frame(self.down, {"a": acks}, self.SEND_TIMEOUT)
+            except OSError as e:
+                error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
+        if error is not None:
+            self._lose(error)
+
+    # ------------------------------------------------------------------------------------------------ the end
+    def _lose(self, error: BaseException) -> None:
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = error.with_traceback(None)  # kept: its frames would keep the session (a cycle)
+        shutdown(self.down)
+        shutdown(self.up)
+        self.channels._socket_lost(self.rank, self, error)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the link (the session ends): shut both sockets down and join the reader (at most ``timeout``
+        seconds), which closes them."""
+        with self._lost_lock:
+            if self.lost is None:
+                self.lost = ConnectionAbortedError("the session ended")
+        shutdown(self.down)
+        shutdown(self.up)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)  # the thread closes them as it ends
