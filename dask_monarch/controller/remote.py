@@ -204,7 +204,8 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     ref. ``op`` is the ``OpOverload`` called, if any: the inputs its schema writes (``Tensor(a!)``: in-place and
     ``out=`` ops) are mutated besides (inside ``__torch_dispatch__`` the fakes' versions do not move). A second
     call with the same input metadata makes its outputs from the first one's ``Plan`` (``propagation.py``),
-    without running ``shapes``. The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
+    without running ``shapes`` (for a torch op whose outputs view no input, also with its inputs at other storage
+    offsets). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
     stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
     """
     key, inputs = call_key(function, shapes, args, kwargs, Tensor, DeviceMesh)
@@ -218,7 +219,10 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
             for x in inputs:
                 if x._dropped_at is not None:
                     x.check_usable()  # TypeError DROPPED
-            plan = mesh._session.propagator.plan(key)
+            propagator = mesh._session.propagator
+            plan = propagator.plan(key)
+            if plan is None and op is not None:  # the same op on inputs at other offsets (x[rows] each step)
+                plan = propagator.plan_at_other_offsets(key)
             if plan is not None:
                 groups = _groups_in(args, kwargs) if plan.groups else ()
                 if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
@@ -303,7 +307,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
         try:
             with propagating():
                 out, mutated, plan = session.propagator.run(key, shapes, fake_args, fake_kwargs,
-                                                            [t._fake for t in inputs], written_inputs)
+                                                            [t._fake for t in inputs], written_inputs, op is not None)
         except Exception as e:
             if op is not None:  # a torch op: its own error, as torch gives it locally (a shape mismatch, a dtype)
                 raise
