@@ -1,0 +1,89 @@
+"""The controller's per-op fast path (issue 13: an op whose shapes are cached costs no fake tensors): plans reused
+for inputs at other storage offsets, the storage's alias list, and the dispatch mode without torch's Dynamo
+wrapper (``controller/propagation.py``, ``storage.py``, ``dispatch.py``; spec §1 "Dispatch")."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import dask_monarch as dm
+from dask_monarch.controller.dispatch import MeshDispatchMode
+from dask_monarch.controller.propagation import offset_free
+
+TIMEOUT = 60
+
+
+def test_op_on_a_slice_at_another_offset_reuses_the_plan(mesh1):
+    """``mm(x[rows], w)`` with other ``rows`` each step: the slice is a view (its offset follows ``rows``: a miss),
+    the matmul makes a fresh tensor whatever its input's offset (a hit), and every value is right."""
+    propagator = mesh1._session.propagator
+    with mesh1.activate():
+        x = torch.arange(40.0).reshape(10, 4)
+        w = torch.eye(4) * 2
+        torch.mm(x[0:2], w)  # learn the plan once
+        misses = propagator.misses
+        outs = [torch.mm(x[i:i + 2], w) for i in (1, 3, 5)]
+        assert propagator.misses - misses == 3  # the three slices only
+        assert [o.shape for o in outs] == [(2, 4)] * 3 and all(o.storage_offset() == 0 for o in outs)
+        values = dm.inspect(outs)
+    local = torch.arange(40.0).reshape(10, 4)
+    for i, value in zip((1, 3, 5), values):
+        assert torch.equal(value, local[i:i + 2] * 2)
+
+
+def test_view_of_a_slice_at_another_offset_is_not_reused(mesh1):
+    """A view's own offset depends on its input's: ``x[rows].t()`` learns its plan at each new offset."""
+    propagator = mesh1._session.propagator
+    with mesh1.activate():
+        x = torch.arange(40.0).reshape(10, 4)
+        x[0:2].t()
+        misses = propagator.misses
+        views = [x[i:i + 2].t() for i in (2, 6)]
+        assert propagator.misses - misses == 4  # each slice and each transpose
+        assert [v.storage_offset() for v in views] == [8, 24]
+        values = dm.inspect(views)
+    local = torch.arange(40.0).reshape(10, 4)
+    assert torch.equal(values[0], local[2:4].t()) and torch.equal(values[1], local[6:8].t())
+
+
+def test_offset_free_key_drops_only_the_tensor_offsets():
+    meta = ((2, 4), (4, 1), 8, torch.float32, torch.device("cpu"))
+    key = ("f", "op", 3, (meta, 0), (int, 1), (list, 2, 3))
+    assert offset_free(key) == ("f", "op", 3, (((2, 4), (4, 1), torch.float32, torch.device("cpu")), 0), (int, 1),
+                                (list, 2, 3))
+    assert offset_free(("f", "op", object(), (meta, 0))) is None  # a pytree key keeps its offsets
+
+
+def test_in_place_op_on_a_view_mutates_every_alias(mesh1):
+    """The storage's alias list (weak references) still gives every live alias to an in-place op's ``mutates``."""
+    session = mesh1._session
+    with mesh1.activate():
+        x = torch.zeros(6)
+        a, b = x[0:3], x[3:6]
+        assert {t.ref.id for t in session.aliases_of([a])} == {x.ref.id, a.ref.id, b.ref.id}
+        b.add_(1)
+        value = dm.inspect(x)
+    assert torch.equal(value, torch.tensor([0.0, 0, 0, 1, 1, 1]))
+
+
+def test_dead_views_leave_the_alias_list(mesh1):
+    """Views made and dropped in a loop do not pile up in their storage's alias list."""
+    with mesh1.activate():
+        x = torch.zeros(8)
+        for i in range(200):
+            x[i % 8:]  # a view that dies at once
+        gc.collect()
+        assert len(x._storage._aliases) <= 16
+        assert x._storage.aliases() == [x]
+        x.add_(1)
+        value = dm.inspect(x)
+    assert torch.equal(value, torch.ones(8))
+
+
+def test_dispatch_mode_is_not_wrapped_by_torch_disable_dynamo():
+    """torch wraps a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` (a Python call layer per op);
+    ``MeshDispatchMode`` turns Dynamo's frame callback off itself."""
+    handler = MeshDispatchMode.__dict__["__torch_dispatch__"]
+    assert not hasattr(handler, "_torchdynamo_orig_callable") and not hasattr(handler, "__wrapped__")
