@@ -9,6 +9,7 @@ While a compiled function records (issue 11, ``compile.py``), its thread's ``new
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import deque
@@ -29,7 +30,7 @@ class Bookkeeping:
         self.lock = threading.RLock()
         self.history = History(self.world_size)
         self._next_seq = 0
-        self._next_ref = 0
+        self._ref_ids = itertools.count()
         self.functions: dict[int, str] = {}  # seq -> description of what it called, while incomplete
         #: streams of this session other than the default: ``Stream`` -> ``StreamRef`` (``controller/stream.py``)
         self.streams: dict = {}
@@ -63,10 +64,9 @@ class Bookkeeping:
             return seq
 
     def new_ref(self) -> Ref:
-        with self.lock:
-            ref = Ref(self._next_ref)
-            self._next_ref += 1
-            return ref
+        """A new ref id (``itertools.count``: atomic without the lock, which an op whose shapes are cached takes
+        once, not once per output)."""
+        return Ref(next(self._ref_ids))
 
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:

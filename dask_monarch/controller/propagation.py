@@ -56,7 +56,8 @@ def call_key(function, shapes, args: tuple, kwargs: dict, tensor_type, mesh_type
     """``(key, tensors)`` of a call of ``function`` (and its ``shapes``) with ``args``/``kwargs``: the cache key of its
     plan, and its remote tensor arguments (``tensor_type``) in order. Fast for what torch ops pass (positional
     tensors, plain values and lists of them; plain keyword values); anything else is keyed by its pytree
-    (``torch.utils._pytree``). The key is None if the call cannot be cached (a local tensor, an unhashable value)."""
+    (``torch.utils._pytree``). The key is None if the call cannot be cached (a local tensor, an unhashable value).
+    ``function`` may be None where ``shapes`` determines it (a torch op and its ``FunctionPath``)."""
     parts = [function, shapes, len(args)]
     tensors = []
     for x in args:

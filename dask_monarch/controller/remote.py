@@ -208,7 +208,8 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     offsets). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
     stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
     """
-    key, inputs = call_key(function, shapes, args, kwargs, Tensor, DeviceMesh)
+    # a torch op's FunctionPath follows from the op: the key leaves it out (its hash is a Python call)
+    key, inputs = call_key(None if op is not None else function, shapes, args, kwargs, Tensor, DeviceMesh)
     if key is not None and inputs:
         mesh = inputs[0].mesh
         for x in inputs:
