@@ -87,3 +87,38 @@ def test_dispatch_mode_is_not_wrapped_by_torch_disable_dynamo():
     ``MeshDispatchMode`` turns Dynamo's frame callback off itself."""
     handler = MeshDispatchMode.__dict__["__torch_dispatch__"]
     assert not hasattr(handler, "_torchdynamo_orig_callable") and not hasattr(handler, "__wrapped__")
+
+
+def test_view_ops_learn_their_metadata_from_the_meta_kernel(mesh1):
+    """A view op's miss runs its meta kernel outside the fake mode: shapes, strides, offsets and values are torch's,
+    and an invalid view raises torch's error."""
+    views = {
+        "slice": lambda t: t[3:7],
+        "select": lambda t: t[2],
+        "transpose": lambda t: t[1:5].t(),
+        "split": lambda t: t.split(3)[1],
+        "unbind": lambda t: t.unbind(1)[2],
+        "expand": lambda t: t[0:1].expand(4, 6),
+        "as_strided": lambda t: t.as_strided((2, 3), (1, 6), 5),
+        "diagonal": lambda t: t[0:6].diagonal(offset=1),
+        "view": lambda t: t[2:4].view(12),
+    }
+    local = torch.arange(60.0).reshape(10, 6)
+    with mesh1.activate():
+        x = torch.arange(60.0).reshape(10, 6)
+        remote = {name: fn(x) for name, fn in views.items()}
+        for name, r in remote.items():
+            expected = views[name](local)
+            assert (r.shape, r.stride(), r.storage_offset()) == (
+                expected.shape, expected.stride(), expected.storage_offset()), name
+            assert x.ref.id in {t.ref.id for t in mesh1._session.aliases_of([r])}, name
+        try:
+            x.t().view(60)
+        except (RuntimeError, ValueError) as e:  # the fake mode's error, as without the meta kernel
+            error = str(e)
+        else:
+            error = ""
+        values = dm.inspect(list(remote.values()))
+    assert "view" in error
+    for (name, fn), value in zip(views.items(), values):
+        assert torch.equal(value, fn(local)), name
