@@ -245,9 +245,9 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
         session.check_ok()
         stream_ref = stream.ref_for(session)
         session.follow_default_dtype(stream_ref)
-        written = [inputs[i] for i in plan.written]
+        written = [inputs[i] for i in plan.written] if plan.written else ()
         check_access(stream, inputs, written)
-        mutates = session.aliases_of(written) if written else []
+        mutates = session.aliases_of(written) if written else ()
         results, values, new = [], [], []
         for step in plan.steps:
             kind = step[0]
@@ -268,8 +268,8 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
             group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
-            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)), stream_ref,
-            tuple(g.ref for g in groups) if groups else (),
+            seq, results, tuple([t.ref for t in mutates]) if mutates else (), function,
+            ArgsKwargs(tuple(args), dict(kwargs)), stream_ref, tuple([g.ref for g in groups]) if groups else (),
         )
         session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
