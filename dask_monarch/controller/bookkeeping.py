@@ -20,6 +20,8 @@ from .history import History
 
 __all__ = ["Bookkeeping"]
 
+_new_object = object.__new__
+
 
 class Bookkeeping:
     """The session's bookkeeping (a part of ``Session``; see the module's docstring). ``_init_bookkeeping`` makes
@@ -64,9 +66,11 @@ class Bookkeeping:
             return seq
 
     def new_ref(self) -> Ref:
-        """A new ref id (``itertools.count``: atomic without the lock, which an op whose shapes are cached takes
-        once, not once per output)."""
-        return Ref(next(self._ref_ids))
+        """A new ref (``itertools.count``: atomic without the lock, which an op whose shapes are cached takes
+        once, not once per output; built without ``Ref``'s check of its id, which the count makes valid)."""
+        ref = _new_object(Ref)
+        ref.id = next(self._ref_ids)
+        return ref
 
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:

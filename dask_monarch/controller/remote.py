@@ -27,6 +27,7 @@ from .local import propagating
 from .mesh import DeviceMesh, frontend, get_active_mesh
 from .process_group import RemoteProcessGroup
 from .propagation import FRESH, INPUT, OF_INPUT, TENSOR, Plan, call_key
+from .session import DEFAULT_STREAM
 from .storage import Storage
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
@@ -242,9 +243,11 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
     session = mesh._session
     stream = get_active_stream()
     with session.lock:
-        session.check_ok()
-        stream_ref = stream.ref_for(session)
-        session.follow_default_dtype(stream_ref)
+        if session.failure is not None or session.closed:
+            session.check_ok()  # raises
+        stream_ref = DEFAULT_STREAM if stream.default else stream.ref_for(session)
+        if torch.get_default_dtype() is not session.default_dtype:
+            session.follow_default_dtype(stream_ref)
         written = [inputs[i] for i in plan.written] if plan.written else ()
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written) if written else ()
