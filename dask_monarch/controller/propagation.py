@@ -204,7 +204,7 @@ class Propagator:
     def plan_at_other_offsets(self, key) -> Plan | None:
         """For a torch op's ``key`` that has no plan: the plan of the same call with its inputs at other storage
         offsets, if that plan views no input (counted as a hit, and kept under ``key`` too), else None."""
-        if not self._offset_free:
+        if not self._offset_free or self._plans.get(key) is _UNCACHEABLE:
             return None
         free = offset_free(key)
         plan = None if free is None else self._offset_free.get(free)
