@@ -1,6 +1,6 @@
 """The controller's per-op fast path (issue 13: an op whose shapes are cached costs no fake tensors): plans reused
-for inputs at other storage offsets, the storage's alias list, and the dispatch mode without torch's Dynamo
-wrapper (``controller/propagation.py``, ``storage.py``, ``dispatch.py``; spec §1 "Dispatch")."""
+for inputs at other storage offsets, view ops' metadata from their meta kernels, and the storage's alias list
+(``controller/propagation.py``, ``storage.py``; spec §1 "Dispatch")."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import gc
 import torch
 
 import dask_monarch as dm
-from dask_monarch.controller.dispatch import MeshDispatchMode
 from dask_monarch.controller.propagation import offset_free
 
 TIMEOUT = 60
@@ -80,13 +79,6 @@ def test_dead_views_leave_the_alias_list(mesh1):
         x.add_(1)
         value = dm.inspect(x)
     assert torch.equal(value, torch.ones(8))
-
-
-def test_dispatch_mode_is_not_wrapped_by_torch_disable_dynamo():
-    """torch wraps a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` (a Python call layer per op);
-    ``MeshDispatchMode`` turns Dynamo's frame callback off itself."""
-    handler = MeshDispatchMode.__dict__["__torch_dispatch__"]
-    assert not hasattr(handler, "_torchdynamo_orig_callable") and not hasattr(handler, "__wrapped__")
 
 
 def test_view_ops_learn_their_metadata_from_the_meta_kernel(mesh1):

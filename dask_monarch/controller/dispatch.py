@@ -67,46 +67,22 @@ def run_op(func, args, kwargs, mesh=None, entry=None):
 
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
 
-try:  # what torch._disable_dynamo does around a mode's __torch_dispatch__, without its cost when nothing compiles
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-except ImportError:  # pragma: no cover - another torch: MeshDispatchMode keeps torch's own wrapper
-    _set_eval_frame = None
-
 
 class MeshDispatchMode(TorchDispatchMode):
     """Entered by ``mesh.activate()``: torch operations on local tensors and factories run on the active mesh.
-
-    torch runs a mode's ``__torch_dispatch__`` with Dynamo disabled (``torch._disable_dynamo``, about 0.75 us a
-    call on the per-op path, issue 13): this mode turns Dynamo's frame callback off itself, which costs one C call
-    when no ``torch.compile`` runs, and takes torch's wrapper when one does."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # torch: wrap __torch_dispatch__ in torch._disable_dynamo
-        return _set_eval_frame is None
+    (torch runs ``__torch_dispatch__`` with Dynamo disabled, ``torch._disable_dynamo``: a ``torch.compile``d function
+    called under ``activate()`` runs its ops here eagerly.)"""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _set_eval_frame is not None:
-            prior = _set_eval_frame(None)
-            if prior is not None:  # a torch.compile runs: Dynamo off inside, as torch does it
-                _set_eval_frame(prior)
-                return _dispatch_without_dynamo(func, args, kwargs)
-        return _dispatch(func, args, kwargs)
-
-
-def _dispatch(func, args, kwargs):
-    """``MeshDispatchMode.__torch_dispatch__``'s work."""
-    kwargs = kwargs or {}
-    mesh = get_active_mesh()
-    if mesh is None or is_propagating():
-        return func(*args, **kwargs)
-    entry = _ops.get(func) or _op(func)
-    if entry[2]:  # profiler bookkeeping, and local reads of local tensors
-        if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
+        kwargs = kwargs or {}
+        mesh = get_active_mesh()
+        if mesh is None or is_propagating():
             return func(*args, **kwargs)
-    return run_op(func, args, kwargs, mesh, entry)
-
-
-_dispatch_without_dynamo = torch._disable_dynamo(_dispatch, recursive=True)
+        entry = _ops.get(func) or _op(func)
+        if entry[2]:  # profiler bookkeeping, and local reads of local tensors
+            if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
+                return func(*args, **kwargs)
+        return run_op(func, args, kwargs, mesh, entry)
 
 
 def _has_remote(args) -> bool:
