@@ -9,6 +9,7 @@ While a compiled function records (issue 11, ``compile.py``), its thread's ``new
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import deque
@@ -18,6 +19,8 @@ from .coalescing import HeldDelete, held_messages
 from .history import History
 
 __all__ = ["Bookkeeping"]
+
+_new_object = object.__new__
 
 
 class Bookkeeping:
@@ -29,7 +32,7 @@ class Bookkeeping:
         self.lock = threading.RLock()
         self.history = History(self.world_size)
         self._next_seq = 0
-        self._next_ref = 0
+        self._ref_ids = itertools.count()
         self.functions: dict[int, str] = {}  # seq -> description of what it called, while incomplete
         #: streams of this session other than the default: ``Stream`` -> ``StreamRef`` (``controller/stream.py``)
         self.streams: dict = {}
@@ -63,10 +66,11 @@ class Bookkeeping:
             return seq
 
     def new_ref(self) -> Ref:
-        with self.lock:
-            ref = Ref(self._next_ref)
-            self._next_ref += 1
-            return ref
+        """A new ref (``itertools.count``: atomic without the lock, which an op whose shapes are cached takes
+        once, not once per output; built without ``Ref``'s check of its id, which the count makes valid)."""
+        ref = _new_object(Ref)
+        ref.id = next(self._ref_ids)
+        return ref
 
     # ------------------------------------------------------------------------------------- tensors, history
     def track(self, tensor) -> None:

@@ -49,14 +49,15 @@ def op_path(func) -> FunctionPath:
     return _op(func)[0]
 
 
-def run_op(func, args, kwargs, mesh=None):
-    """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh)."""
+def run_op(func, args, kwargs, mesh=None, entry=None):
+    """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh);
+    ``entry`` is ``func``'s ``_ops`` entry if the caller has it."""
     if func is _LOCAL_SCALAR:
         raise TypeError(
             "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
             "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
         )
-    path, name, _ = _ops.get(func) or _op(func)
+    path, name, _ = entry or _ops.get(func) or _op(func)
     try:
         return call_on_mesh(path, name, func, args, kwargs, mesh, func)
     except TypeError as e:
@@ -68,17 +69,20 @@ _LOCAL_SCALAR = _aten._local_scalar_dense.default
 
 
 class MeshDispatchMode(TorchDispatchMode):
-    """Entered by ``mesh.activate()``: torch operations on local tensors and factories run on the active mesh."""
+    """Entered by ``mesh.activate()``: torch operations on local tensors and factories run on the active mesh.
+    (torch runs ``__torch_dispatch__`` with Dynamo disabled, ``torch._disable_dynamo``: a ``torch.compile``d function
+    called under ``activate()`` runs its ops here eagerly.)"""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         mesh = get_active_mesh()
         if mesh is None or is_propagating():
             return func(*args, **kwargs)
-        if (_ops.get(func) or _op(func))[2]:  # profiler bookkeeping, and local reads of local tensors
+        entry = _ops.get(func) or _op(func)
+        if entry[2]:  # profiler bookkeeping, and local reads of local tensors
             if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
                 return func(*args, **kwargs)
-        return run_op(func, args, kwargs, mesh)
+        return run_op(func, args, kwargs, mesh, entry)
 
 
 def _has_remote(args) -> bool:

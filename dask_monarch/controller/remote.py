@@ -27,6 +27,7 @@ from .local import propagating
 from .mesh import DeviceMesh, frontend, get_active_mesh
 from .process_group import RemoteProcessGroup
 from .propagation import FRESH, INPUT, OF_INPUT, TENSOR, Plan, call_key
+from .session import DEFAULT_STREAM
 from .storage import Storage
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
@@ -204,10 +205,12 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     ref. ``op`` is the ``OpOverload`` called, if any: the inputs its schema writes (``Tensor(a!)``: in-place and
     ``out=`` ops) are mutated besides (inside ``__torch_dispatch__`` the fakes' versions do not move). A second
     call with the same input metadata makes its outputs from the first one's ``Plan`` (``propagation.py``),
-    without running ``shapes``. The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
+    without running ``shapes`` (for a torch op whose outputs view no input, also with its inputs at other storage
+    offsets). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
     stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
     """
-    key, inputs = call_key(function, shapes, args, kwargs, Tensor, DeviceMesh)
+    # a torch op's FunctionPath follows from the op: the key leaves it out (its hash is a Python call)
+    key, inputs = call_key(None if op is not None else function, shapes, args, kwargs, Tensor, DeviceMesh)
     if key is not None and inputs:
         mesh = inputs[0].mesh
         for x in inputs:
@@ -218,7 +221,10 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
             for x in inputs:
                 if x._dropped_at is not None:
                     x.check_usable()  # TypeError DROPPED
-            plan = mesh._session.propagator.plan(key)
+            propagator = mesh._session.propagator
+            plan = propagator.plan(key)
+            if plan is None and op is not None:  # the same op on inputs at other offsets (x[rows] each step)
+                plan = propagator.plan_at_other_offsets(key)
             if plan is not None:
                 groups = _groups_in(args, kwargs) if plan.groups else ()
                 if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
@@ -237,12 +243,14 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
     session = mesh._session
     stream = get_active_stream()
     with session.lock:
-        session.check_ok()
-        stream_ref = stream.ref_for(session)
-        session.follow_default_dtype(stream_ref)
-        written = [inputs[i] for i in plan.written]
+        if session.failure is not None or session.closed:
+            session.check_ok()  # raises
+        stream_ref = DEFAULT_STREAM if stream.default else stream.ref_for(session)
+        if torch.get_default_dtype() is not session.default_dtype:
+            session.follow_default_dtype(stream_ref)
+        written = [inputs[i] for i in plan.written] if plan.written else ()
         check_access(stream, inputs, written)
-        mutates = session.aliases_of(written) if written else []
+        mutates = session.aliases_of(written) if written else ()
         results, values, new = [], [], []
         for step in plan.steps:
             kind = step[0]
@@ -263,8 +271,8 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
             group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
-            seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(args), dict(kwargs)), stream_ref,
-            tuple(g.ref for g in groups) if groups else (),
+            seq, results, tuple([t.ref for t in mutates]) if mutates else (), function,
+            ArgsKwargs(tuple(args), dict(kwargs)), stream_ref, tuple([g.ref for g in groups]) if groups else (),
         )
         session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
@@ -303,7 +311,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
         try:
             with propagating():
                 out, mutated, plan = session.propagator.run(key, shapes, fake_args, fake_kwargs,
-                                                            [t._fake for t in inputs], written_inputs)
+                                                            [t._fake for t in inputs], written_inputs, op is not None)
         except Exception as e:
             if op is not None:  # a torch op: its own error, as torch gives it locally (a shape mismatch, a dtype)
                 raise

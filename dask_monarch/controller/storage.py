@@ -12,6 +12,7 @@ all its tensors, so that fake ops see the same aliasing as the workers' tensors.
 from __future__ import annotations
 
 import weakref
+from weakref import ref as _ref
 
 import torch
 
@@ -25,12 +26,16 @@ _by_meta: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 class Storage:
     """A storage of ``nbytes`` bytes; ``meta`` is its meta-device storage if one exists already."""
 
-    __slots__ = ("nbytes", "_meta", "_aliases", "__weakref__")
+    __slots__ = ("nbytes", "_meta", "_aliases", "_prune_at", "__weakref__")
 
     def __init__(self, nbytes: int, meta=None):
         self.nbytes = nbytes
         self._meta = meta
-        self._aliases = None  # WeakSet of the tensors viewing it, made with the first
+        # weak references to the tensors viewing it, made with the first; plain ``weakref.ref``s without callbacks
+        # (a ``WeakSet`` cost each new tensor of an op whose shapes are cached about 0.5 us more), the dead ones
+        # dropped when the list has doubled
+        self._aliases = None
+        self._prune_at = 8
         if meta is not None:
             _by_meta[meta._cdata] = self
 
@@ -48,17 +53,24 @@ class Storage:
         """``tensor`` views this storage."""
         aliases = self._aliases
         if aliases is None:
-            aliases = self._aliases = weakref.WeakSet()
-        aliases.add(tensor)
+            self._aliases = [_ref(tensor)]
+            return
+        aliases.append(_ref(tensor))
+        if len(aliases) >= self._prune_at:
+            aliases[:] = [r for r in aliases if r() is not None]
+            self._prune_at = max(8, 2 * len(aliases))
 
     def discard(self, tensor) -> None:
-        """``tensor`` no longer views it (``t.data = other``)."""
-        if self._aliases is not None:  # rebuilt: WeakSet.discard compares with ==, which is a remote op on tensors
-            self._aliases = weakref.WeakSet(t for t in self._aliases if t is not tensor)
+        """``tensor`` no longer views it (``t.data = other``); compared by identity (``==`` is a remote op)."""
+        if self._aliases is not None:
+            self._aliases = [r for r in self._aliases if r() is not tensor and r() is not None]
 
-    def aliases(self):
+    def aliases(self) -> list:
         """The live tensors viewing it."""
-        return self._aliases if self._aliases is not None else ()
+        aliases = self._aliases
+        if aliases is None:
+            return []
+        return [t for r in aliases if (t := r()) is not None]
 
     def __repr__(self) -> str:
         return f"<Storage {self.nbytes} bytes at {id(self):#x}>"

@@ -227,7 +227,8 @@ def check_access(stream: Stream, reads, writes) -> None:
                 f"onto that stream (stream.borrow(t)) or run the operation under its stream's activate()"
             )
         session = t.mesh._session
-    if session is None or not (session._lent or session._borrowed or session._deferred):
+    # ``_borrowed.data``: the WeakValueDictionary's dict (its own len() is a Python call on every op)
+    if session is None or not (session._lent or session._borrowed.data or session._deferred):
         return  # no borrow is live (nor one waiting to be dropped): nothing more to check
     written = {id(t) for t in writes}
     used = []  # borrows whose tensors this operation uses: their first use goes out once every check passed

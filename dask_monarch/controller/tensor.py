@@ -68,7 +68,11 @@ class Tensor(torch.Tensor):
         t.mesh = mesh
         t.stream = stream
         t._dropped_at = None
-        mesh._session.track(t)
+        session = mesh._session
+        if session.recorder is None:
+            storage.add(t)  # Session.track, inline: no compiled function records
+        else:
+            session.track(t)
         return t
 
     @property

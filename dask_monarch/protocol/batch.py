@@ -36,14 +36,28 @@ def lane(msg) -> int | None:
 
 def segments(items: list, dumps) -> list:
     """``[(targets, segment)]`` for ``items``, a list of ``(targets, message)``: consecutive messages with the same
-    targets and the same ``lane`` form one segment, pickled with ``dumps`` (a list of messages -> bytes)."""
+    targets and the same ``lane`` form one segment, pickled with ``dumps`` (a list of messages -> bytes). One pass,
+    with ``lane`` inlined for the common case (a stream message with a ``StreamRef``): the flusher runs this on
+    every message under the session lock, which the program's next operation waits for (issue 13)."""
     out = []
-    keys = [(targets, lane(msg)) for targets, msg in items]
-    start = 0
-    for i in range(1, len(items) + 1):
-        if i == len(items) or keys[i] != keys[start]:
-            targets, stream_id = keys[start]
-            blob = dumps([msg for _, msg in items[start:i]])
-            out.append((targets, blob if stream_id is None else (stream_id, i - start, blob)))
-            start = i
+    run: list = []
+    key = None
+    for targets, msg in items:
+        if type(msg) in STREAM_MESSAGES and type(stream := getattr(msg, "stream", None)) is StreamRef:
+            k = (targets, stream.id)
+        else:
+            k = (targets, None)
+        if k != key:
+            if run:
+                _close(out, key, run, dumps)
+            key, run = k, []
+        run.append(msg)
+    if run:
+        _close(out, key, run, dumps)
     return out
+
+
+def _close(out: list, key: tuple, run: list, dumps) -> None:
+    targets, stream_id = key
+    blob = dumps(run)
+    out.append((targets, blob if stream_id is None else (stream_id, len(run), blob)))

@@ -34,6 +34,9 @@ class FunctionPath:
         if not isinstance(self.path, str):
             raise TypeError(f"FunctionPath.path must be a str, got {type(self.path).__name__}")
 
+    def __hash__(self) -> int:  # the dataclass's hashes a new tuple; a str caches its hash (a key of every call)
+        return hash(self.path)
+
     def __repr__(self) -> str:
         return f'<function "{self.path}">'
 

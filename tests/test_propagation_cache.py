@@ -1,0 +1,116 @@
+"""The controller's per-op fast path (issue 13: an op whose shapes are cached costs no fake tensors): plans reused
+for inputs at other storage offsets, view ops' metadata from their meta kernels, and the storage's alias list
+(``controller/propagation.py``, ``storage.py``; spec §1 "Dispatch")."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import dask_monarch as dm
+from dask_monarch.controller.propagation import offset_free
+
+TIMEOUT = 60
+
+
+def test_op_on_a_slice_at_another_offset_reuses_the_plan(mesh1):
+    """``mm(x[rows], w)`` with other ``rows`` each step: the slice is a view (its offset follows ``rows``: a miss),
+    the matmul makes a fresh tensor whatever its input's offset (a hit), and every value is right."""
+    propagator = mesh1._session.propagator
+    with mesh1.activate():
+        x = torch.arange(40.0).reshape(10, 4)
+        w = torch.eye(4) * 2
+        torch.mm(x[0:2], w)  # learn the plan once
+        misses = propagator.misses
+        outs = [torch.mm(x[i:i + 2], w) for i in (1, 3, 5)]
+        assert propagator.misses - misses == 3  # the three slices only
+        assert [o.shape for o in outs] == [(2, 4)] * 3 and all(o.storage_offset() == 0 for o in outs)
+        values = dm.inspect(outs)
+    local = torch.arange(40.0).reshape(10, 4)
+    for i, value in zip((1, 3, 5), values):
+        assert torch.equal(value, local[i:i + 2] * 2)
+
+
+def test_view_of_a_slice_at_another_offset_is_not_reused(mesh1):
+    """A view's own offset depends on its input's: ``x[rows].t()`` learns its plan at each new offset."""
+    propagator = mesh1._session.propagator
+    with mesh1.activate():
+        x = torch.arange(40.0).reshape(10, 4)
+        x[0:2].t()
+        misses = propagator.misses
+        views = [x[i:i + 2].t() for i in (2, 6)]
+        assert propagator.misses - misses == 4  # each slice and each transpose
+        assert [v.storage_offset() for v in views] == [8, 24]
+        values = dm.inspect(views)
+    local = torch.arange(40.0).reshape(10, 4)
+    assert torch.equal(values[0], local[2:4].t()) and torch.equal(values[1], local[6:8].t())
+
+
+def test_offset_free_key_drops_only_the_tensor_offsets():
+    meta = ((2, 4), (4, 1), 8, torch.float32, torch.device("cpu"))
+    key = ("f", "op", 3, (meta, 0), (int, 1), (list, 2, 3))
+    assert offset_free(key) == ("f", "op", 3, (((2, 4), (4, 1), torch.float32, torch.device("cpu")), 0), (int, 1),
+                                (list, 2, 3))
+    assert offset_free(("f", "op", object(), (meta, 0))) is None  # a pytree key keeps its offsets
+
+
+def test_in_place_op_on_a_view_mutates_every_alias(mesh1):
+    """The storage's alias list (weak references) still gives every live alias to an in-place op's ``mutates``."""
+    session = mesh1._session
+    with mesh1.activate():
+        x = torch.zeros(6)
+        a, b = x[0:3], x[3:6]
+        assert {t.ref.id for t in session.aliases_of([a])} == {x.ref.id, a.ref.id, b.ref.id}
+        b.add_(1)
+        value = dm.inspect(x)
+    assert torch.equal(value, torch.tensor([0.0, 0, 0, 1, 1, 1]))
+
+
+def test_dead_views_leave_the_alias_list(mesh1):
+    """Views made and dropped in a loop do not pile up in their storage's alias list."""
+    with mesh1.activate():
+        x = torch.zeros(8)
+        for i in range(200):
+            x[i % 8:]  # a view that dies at once
+        gc.collect()
+        assert len(x._storage._aliases) <= 16
+        assert x._storage.aliases() == [x]
+        x.add_(1)
+        value = dm.inspect(x)
+    assert torch.equal(value, torch.ones(8))
+
+
+def test_view_ops_learn_their_metadata_from_the_meta_kernel(mesh1):
+    """A view op's miss runs its meta kernel outside the fake mode: shapes, strides, offsets and values are torch's,
+    and an invalid view raises torch's error."""
+    views = {
+        "slice": lambda t: t[3:7],
+        "select": lambda t: t[2],
+        "transpose": lambda t: t[1:5].t(),
+        "split": lambda t: t.split(3)[1],
+        "unbind": lambda t: t.unbind(1)[2],
+        "expand": lambda t: t[0:1].expand(4, 6),
+        "as_strided": lambda t: t.as_strided((2, 3), (1, 6), 5),
+        "diagonal": lambda t: t[0:6].diagonal(offset=1),
+        "view": lambda t: t[2:4].view(12),
+    }
+    local = torch.arange(60.0).reshape(10, 6)
+    with mesh1.activate():
+        x = torch.arange(60.0).reshape(10, 6)
+        remote = {name: fn(x) for name, fn in views.items()}
+        for name, r in remote.items():
+            expected = views[name](local)
+            assert (r.shape, r.stride(), r.storage_offset()) == (
+                expected.shape, expected.stride(), expected.storage_offset()), name
+            assert x.ref.id in {t.ref.id for t in mesh1._session.aliases_of([r])}, name
+        try:
+            x.t().view(60)
+        except (RuntimeError, ValueError) as e:  # the fake mode's error, as without the meta kernel
+            error = str(e)
+        else:
+            error = ""
+        values = dm.inspect(list(remote.values()))
+    assert "view" in error
+    for (name, fn), value in zip(views.items(), values):
+        assert torch.equal(value, fn(local)), name
