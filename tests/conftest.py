@@ -108,6 +108,16 @@ def cli_cluster_procs(tmp_path):
     yield from _cli_cluster(tmp_path)
 
 
+def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
+    """Whether ``predicate()`` became true within ``timeout`` seconds, asked every ``interval`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
 def _free_port() -> int:
     import socket
 

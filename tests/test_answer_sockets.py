@@ -17,19 +17,12 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_monarch as dm
+from conftest import wait_until
 from dask_monarch.controller import sockets as controller_sockets
 from dask_monarch.worker.plugin import PLUGIN_NAME
 
 TIMEOUT = 60
 
-
-def wait_until(predicate, timeout: float = TIMEOUT, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 def _socket_threads(session_id: str) -> list:
@@ -128,7 +121,7 @@ def test_sockets_that_break_mid_session_lose_nothing(client2, side):
         else:
             socket.socket.shutdown(channels.links[1].up, socket.SHUT_RDWR)
         assert torch.equal(in_flight.result(timeout=TIMEOUT), (torch.arange(4.0) + 1) * 10)
-        assert wait_until(lambda: channels.links[1] is None)
+        assert wait_until(lambda: channels.links[1] is None, TIMEOUT, 0.05)
         assert "lost" in channels.socket_reasons[1]
         comm_before = channels.comm_chunks[1]
         for i in range(3):
@@ -140,7 +133,7 @@ def test_sockets_that_break_mid_session_lose_nothing(client2, side):
         assert channels.links[0] is not None  # the other rank keeps its sockets
         session.sync("after the break").result(timeout=TIMEOUT)
         assert wait_until(lambda: not client2.run(_socket_threads, session.id, workers=[mesh.workers[1]])[
-            mesh.workers[1]])
+            mesh.workers[1]], TIMEOUT)
 
 
 @pytest.mark.filterwarnings("ignore:Sending large graph")

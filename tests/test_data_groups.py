@@ -19,23 +19,9 @@ import torch
 from distributed import futures_of
 
 import dask_monarch as dm
+from test_data import fetch, mesh  # noqa: F401 (mesh: the same fixture, a 2-rank "dp" mesh)
 
 TIMEOUT = 60
-
-
-def fetch(obj, **coords):
-    return dm.fetch_shard(obj, **coords).result(timeout=TIMEOUT)
-
-
-@pytest.fixture
-def mesh(client2):
-    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
-    yield mesh
-    if not mesh._session.closed:
-        try:
-            mesh.exit()
-        except Exception:
-            pass
 
 
 def _frame(sizes: list) -> tuple:

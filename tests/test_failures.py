@@ -17,6 +17,7 @@ import torch
 from distributed import Client, LocalCluster
 
 import dask_monarch as dm
+from conftest import wait_until
 from dask_monarch.worker.plugin import sync_batch
 
 
@@ -43,14 +44,6 @@ def session_threads(client, session_id, workers=None):
 
     return client.run(probe, workers=workers)
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 @pytest.fixture

@@ -23,18 +23,10 @@ from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch.cluster import cluster_workers
-from conftest import _cli_cluster, _free_port
+from conftest import _cli_cluster, _free_port, wait_until
 
 TIMEOUT = 120
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 def _state_probe():

@@ -21,7 +21,7 @@ import torch
 from distributed import Client
 
 import dask_monarch as dm
-from conftest import _cli_cluster
+from conftest import _cli_cluster, wait_until
 
 MIB = 2**20
 PER_RANK = 100 * MIB  # each session's tensor, per rank (its reduce's result is as large again)
@@ -71,14 +71,6 @@ def _set_gc_probe(enabled: bool):
 def usage(client) -> dict:
     return client.run(_usage_probe())
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 def settled(client) -> dict:
