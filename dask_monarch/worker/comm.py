@@ -312,11 +312,11 @@ def _allreduce_options(reduction: Reduction) -> dist.AllreduceOptions:
     return opts
 
 
-def _post(comms: "Comms | None", what: str, start):
-    """Post a collective through ``comms.post`` (refused once the session stopped: an op posted on gloo
-    connections already shut down would keep the group's thread, and whoever releases the group, until
-    ``comm_timeout``), or at once without ``comms``."""
-    return start() if comms is None else comms.post(what, start)
+def _post(comms: "Comms | None", group, what: str, start):
+    """Post a collective on ``group`` through ``comms.post`` (refused once the session stopped, or once gloo closed
+    one of the group's connections: an op posted on gloo connections already shut down or closed would keep the
+    group's thread, and whoever releases the group, until ``comm_timeout``), or at once without ``comms``."""
+    return start() if comms is None else comms.post(what, start, group)
 
 
 def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter: bool, in_place: bool, out,
@@ -337,16 +337,16 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
                     output, src = tensor, src.clone()
                 else:
                     output = out if out is not None else torch.empty_like(src)
-                _wait(_post(comms, "all-to-all", lambda: group.alltoall_base(output, src, [], [])), "all-to-all",
+                _wait(_post(comms, group, "all-to-all", lambda: group.alltoall_base(output, src, [], [])), "all-to-all",
                       members, comms)
                 return output
             if in_place:
                 raise CommError("in-place, non-scatter not supported for stack reduce")
             output = out if out is not None else tensor.new_empty((size, *tensor.shape))
             if tensor.is_cuda and output.is_contiguous():  # NCCL gathers into one flat buffer
-                work = _post(comms, "all-gather", lambda: group._allgather_base(output, tensor.contiguous()))
+                work = _post(comms, group, "all-gather", lambda: group._allgather_base(output, tensor.contiguous()))
             else:
-                work = _post(comms, "all-gather",
+                work = _post(comms, group, "all-gather",
                              lambda: group.allgather([list(output.unbind(0))], [tensor.contiguous()]))
             _wait(work, "all-gather", members, comms)
             return output
@@ -358,7 +358,7 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             flat = output if output.is_contiguous() else output.contiguous()
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = opts_op
-            work = _post(comms, "reduce-scatter",
+            work = _post(comms, group, "reduce-scatter",
                          lambda: group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts))
             _wait(work, "reduce-scatter", members, comms)
             if flat is not output:
@@ -371,7 +371,7 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
         else:
             output = tensor.clone()
         dense = output if output.is_contiguous() else output.contiguous()
-        _wait(_post(comms, "all-reduce", lambda: group.allreduce([dense], _allreduce_options(reduction))),
+        _wait(_post(comms, group, "all-reduce", lambda: group.allreduce([dense], _allreduce_options(reduction))),
               "all-reduce", members, comms)
         if dense is not output:
             output.copy_(dense)
