@@ -38,6 +38,14 @@ def _answer(msg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ Dask comm way
+def _take(cond, inbox: list):
+    """The next message ``_deliver`` put in ``inbox`` (None: the connection ended), waiting for it."""
+    with cond:
+        while not inbox:
+            cond.wait()
+        return inbox.pop(0)
+
+
 def _deliver(cond, inbox: list, msg) -> None:
     """Hand ``msg`` (None: the connection ended) to the answering thread waiting on ``cond``."""
     with cond:
@@ -77,13 +85,7 @@ def _serve_comm(ready) -> None:
         return listener.contact_address
 
     ready.put(asyncio.run_coroutine_threadsafe(start(), loop).result())
-    while True:  # the answering thread
-        with cond:
-            while not inbox:
-                cond.wait()
-            msg = inbox.pop(0)
-        if msg is None:
-            return
+    while (msg := _take(cond, inbox)) is not None:  # the answering thread
         loop.call_soon_threadsafe(write, _answer(msg))
 
 
@@ -172,13 +174,7 @@ def _serve_socket(ready) -> None:
             _deliver(cond, inbox, None)
 
     threading.Thread(target=reader, daemon=True).start()
-    while True:  # the answering thread
-        with cond:
-            while not inbox:
-                cond.wait()
-            msg = inbox.pop(0)
-        if msg is None:
-            return
+    while (msg := _take(cond, inbox)) is not None:  # the answering thread
         _send(conn, lock, _answer(msg))
 
 
