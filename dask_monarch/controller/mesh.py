@@ -293,12 +293,17 @@ class DeviceMesh:
         return (Ref, (self._ref.id,))
 
     # ---------------------------------------------------------------------------------------------- lifetime
-    def exit(self, timeout: float = 60.0) -> None:
+    def exit(self, timeout: float | None = None) -> None:
         """End the session (only the mesh returned by ``attach`` may): drain every rank, stop the tensor workers,
-        and close the embedded cluster if ``attach`` started one. Raises the first remote failure nobody fetched
-        (spec §3), or ``SessionError`` (a failure nobody reported, or a rank that failed, left or went silent
-        while draining). If the ranks have not drained within ``timeout`` seconds it raises ``TimeoutError``
-        naming them, and the session still ends on the workers: work still queued there is dropped."""
+        and close the embedded cluster if ``attach`` started one. Work still running on a rank (a long remote
+        function) is waited for as long as its worker keeps its heartbeat, up to ``timeout`` seconds (default: the
+        session's ``exit_timeout``, ``attach(exit_timeout=...)`` or Dask config ``monarch.exit-timeout``, else 600
+        s); after 5 s a WARNING (logger ``dask_monarch.controller``, on stderr by default) says once which rank it
+        waits for and on what. Raises the first remote failure nobody fetched (spec §3), or ``SessionError`` (a
+        failure nobody reported, or a rank that failed, left or went silent while draining: within
+        ``heartbeat_timeout``). If the ranks have not drained within ``timeout`` seconds it raises
+        ``TimeoutError`` naming them and what they were busy on, and the session still ends on the workers: work
+        still queued there is dropped."""
         if not self._owner:
             raise RuntimeError("only the mesh returned by dask_monarch.attach() can exit the session")
         try:

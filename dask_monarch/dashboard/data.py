@@ -123,6 +123,7 @@ class DashboardData:
             workers = list(info.get("workers") or [])
             stream_names = {"0": "main", **{str(k): v for k, v in (info.get("streams") or {}).items()}}
             failed_ranks, rank_health, progress = [], [], {}
+            finishing = False
             for rank, address in enumerate(workers):
                 worker = metrics.get(address) or {}
                 snap = (worker.get("sessions") or {}).get(session_id)
@@ -160,6 +161,8 @@ class DashboardData:
                         rank_state = "running"
                     if rank_state == "running" and info.get("ended"):
                         rank_state = "ending"  # the scheduler ended it; the worker had not, at its last heartbeat
+                    elif rank_state == "running" and snap.get("exiting"):
+                        rank_state = "finishing"  # mesh.exit() came; the rank still runs what was sent before
                     flagged = self._now(tag, rank, snap, stream_names, now_rows, stacks)
                     self._note_errors(session_id, tag, rank, snap)
                 else:
@@ -181,6 +184,7 @@ class DashboardData:
                     rank_rows["last_error"].append(text)
                 if rank_state in ("failed", "worker gone"):
                     failed_ranks.append(rank)
+                finishing = finishing or rank_state == "finishing"
                 rank_rows["state"].append(rank_state)
                 rank_health.append({
                     "rank": rank, "rate": rate if snap is not None else 0.0, "errors": state.count,
@@ -194,7 +198,7 @@ class DashboardData:
                 age = f"ran {format_age(info['ended'] - info.get('started', info['ended']))}"
             else:
                 running += 1
-                session_state = "failed" if failed_ranks else "running"
+                session_state = "failed" if failed_ranks else ("finishing" if finishing else "running")
                 age = format_age(now - info.get("started", now))
             if failed_ranks:
                 failed_sessions += 1

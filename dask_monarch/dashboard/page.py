@@ -38,7 +38,7 @@ _ROW = 28
 _SCROLLBAR = 18
 #: Dask's own pages linked from each session's health line (relative to the page, so a dashboard prefix works)
 DASK_LINKS = (("Task Stream", "individual-task-stream"), ("Workers", "workers"), ("Profile", "profile"))
-_COLORS = {"running": "#2ca02c", "failed": "#d62728", "ended": "#7f7f7f"}
+_COLORS = {"running": "#2ca02c", "finishing": "#ff7f0e", "failed": "#d62728", "ended": "#7f7f7f"}
 _TAG = re.compile(r"[g-v]{8}")
 
 

@@ -77,7 +77,8 @@ def session_snapshot(tw, with_stacks: bool = True) -> dict:
     """The numbers of one ``TensorWorker`` (one rank of one session). ``now``: what each stream and the
     dispatcher is applying and for how long (``activity.observe``); ``progress``: the rank's position in seqs
     (``activity.progress``); ``stacks``: its busy threads' Python stacks while one is flagged, else ``{}``
-    (``activity.stacks``; left out when ``with_stacks`` is false); ``recent_errors``: the newest root failures as
+    (``activity.stacks``; left out when ``with_stacks`` is false); ``exiting``: the session is ending here and waits
+    for its streams to finish (``TensorWorker.exiting``); ``recent_errors``: the newest root failures as
     ``{"time": wall clock s, "seq", "text": summary}``."""
     streams = {}
     applied = queued = refs = 0
@@ -106,6 +107,7 @@ def session_snapshot(tw, with_stacks: bool = True) -> dict:
         "errors": tw.errors,
         "last_error": None if last is None else {"seq": last[0], "text": summary(last[1])},
         "failure": summary(tw.failure),
+        "exiting": tw.exiting,
         "now": now,
         "progress": activity.progress(tw, now),
         "stacks": activity.stacks(tw, now) if with_stacks else {},

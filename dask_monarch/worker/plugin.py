@@ -24,7 +24,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
-from . import prometheus
+from . import activity, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
 from .tensor_worker import SessionParams, TensorWorker
@@ -153,8 +153,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
 
 def session_state(session_id: str, dask_worker=None) -> dict:
-    """What this worker knows of a session, for diagnosing a wait that ran out of time (run with
-    ``Client.run``): the inbox position, per-stream queues, the last status, the failure."""
+    """What this worker knows of a session, for diagnosing a wait that ran out of time or takes long (run with
+    ``Client.run``): the inbox position, per-stream queues, the last status, the failure, whether it is ending
+    here (``exiting``) and what its busy threads apply (``busy``: ``activity.observe``'s entries of the busy ones,
+    ``{"stream", "kind", "seq", "name", "for_s", ...}``)."""
     plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
     tw = plugin.sessions.get(session_id) if plugin is not None else None
     if tw is None:
@@ -167,6 +169,8 @@ def session_state(session_id: str, dask_worker=None) -> dict:
         "status_seq": tw.completed_seq,
         "streams": {sid: {"queued_batches": s.backlog(), "applied": s.applied} for sid, s in tw.streams.items()},
         "failure": tw.failure,
+        "exiting": tw.exiting,
+        "busy": [e for e in activity.observe(tw) if e["busy"]],
     }
 
 
