@@ -507,7 +507,8 @@ def test_attach_that_fails_late_leaves_nothing_behind(client1, monkeypatch):
         raise RuntimeError("mesh construction failed")
 
     def flusher_threads():
-        return {t.name for t in threading.enumerate() if t.name.startswith("monarch-flush-") and t.is_alive()}
+        return {t.name for t in threading.enumerate()
+                if t.name.startswith("monarch-") and t.name.endswith("-flush") and t.is_alive()}
 
     before, flushers_before = scheduler_sessions(client1), flusher_threads()
     monkeypatch.setattr(attach_module, "DeviceMesh", broken_mesh)

@@ -49,9 +49,9 @@ def test_task_keys_group_per_session_and_kind_under_key_split():
     # every rank and batch of one (kind, session) falls in one group, named after both
     assert len(set(prefixes.values())) == len(KINDS) * 2
     for (kind, s), prefix in prefixes.items():
-        assert prefix == f"monarch-{kind}-{session_tag(s)}"
+        assert prefix == f"monarch-{session_tag(s)}-{kind}"
     assert session_tag(S1).isalpha() and session_tag(S2).isalpha()
-    assert parse_task_key(task_key("fetch", S2, 3, 17)) == ("fetch", S2[:8], 3, 17)
+    assert parse_task_key(task_key("fetch", S2, 3, 17)) == ("fetch", session_tag(S2), 3, 17)
     assert parse_task_key("monarch-batch-0123abcd-0-1") is None
     with pytest.raises(ValueError, match="task kind"):
         task_key("sync", S1, 0, 0)
@@ -229,7 +229,7 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     for _ in range(50):
         x = dm.remote(add_one)(x)
     bad = dm.remote(fail, propagate=fail_shape)(x)
-    mesh._session.flush()  # a batch without a wait: a monarch-messages task
+    mesh._session.flush()  # a batch without a wait: a monarch-<session>-messages task
     assert dm.inspect(x).tolist() == [51.0] * 256
     with pytest.raises(RemoteException, match="boom from the dashboard test"):
         dm.inspect(bad)
@@ -278,7 +278,7 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     # the session's tasks, grouped by kind per session (Task Stream colors and Progress bars by these prefixes)
     prefixes = set(client2.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
     mine = {p for p in prefixes if tag in p}
-    assert mine == {f"monarch-messages-{tag}", f"monarch-fetch-{tag}", f"monarch-exit-{tag}"}, prefixes
+    assert mine == {f"monarch-{tag}-messages", f"monarch-{tag}-fetch", f"monarch-{tag}-exit"}, prefixes
 
 
 # ------------------------------------------------------------------------------- the page from the scheduler's start
@@ -375,5 +375,49 @@ def test_live_stream_names_and_rates_sampled_from_the_session_start_without_a_pa
     try:
         view = wait_until(sampled, "both ranks' stream names and rate points, with no page open")
         assert all(xs[0] == view["started"] * 1000.0 for xs in view["xs"]), view
+    finally:
+        mesh.exit()
+
+
+def test_one_session_tag_in_repr_link_logs_task_keys_threads_and_page(client2, caplog):
+    """One name per session (issue 25 item 5): the mesh's repr, the dashboard link's ``?session=``, the controller's
+    log lines and errors, the tasks' keys (``monarch-<session>-<kind>-...``), the session's threads on both sides
+    and the page's rows all show the same 8 letters, the first of the session id."""
+    import logging
+    import threading
+
+    from dask_monarch.dashboard.install import read_scheduler
+    from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath
+    from dask_monarch.controller.session import DEFAULT_STREAM
+
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid = mesh.session_id
+    tag = sid[:8]
+    try:
+        assert len(sid) == 32 and set(sid) <= set("ghijklmnopqrstuv") and session_tag(sid) == tag
+        assert repr(mesh).endswith(f"session={tag})") and mesh.dashboard_link.endswith(f"/monarch?session={tag}")
+        answer = dm.fetch_shard(mesh.rank("dp"), dp=1)
+        assert answer.result().item() == 1
+        assert {f.key.rsplit("-", 2)[0] for f in answer.futures} == {f"monarch-{tag}-fetch"}
+        mine = sorted(t.name for t in threading.enumerate() if tag in t.name)
+        assert {"flush", "answers", "socket-r0", "socket-r1"} <= {n.split("-", 2)[2] for n in mine}, mine
+        assert all(n.startswith(f"monarch-{tag}-") for n in mine), mine
+        on_workers = client2.run(lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("monarch-")))
+        assert {f"monarch-{tag}-dispatch", f"monarch-{tag}-stream0"} <= set(on_workers[mesh.workers[1]]), on_workers
+
+        def page_rows(dask_scheduler):
+            view = dask_scheduler.plugins["dask-monarch"].dashboard.update(*read_scheduler(dask_scheduler), time.time())
+            return [t for t, i in zip(view["sessions"]["session"], view["sessions"]["id"]) if i == sid]
+
+        assert client2.run_on_scheduler(page_rows) == [tag]
+        caplog.set_level(logging.ERROR, logger="dask_monarch.controller")
+        session = mesh._session
+        session.send(CallFunction(session.new_seq(), [None], [], FunctionPath("__test_panic"), ArgsKwargs(),
+                                  DEFAULT_STREAM, []))
+        with pytest.raises(dm.SessionError, match=rf"^session {tag}\w* failed on rank"):
+            dm.fetch_shard(mesh.rank("dp")).result(timeout=60)
+        logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "dask_monarch.controller"]
+        assert any(level == logging.ERROR and m.startswith(f"session {tag}") for level, m in logged), logged
+        assert all(f"session {tag}" in m for _, m in logged), logged
     finally:
         mesh.exit()

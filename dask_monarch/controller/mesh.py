@@ -14,7 +14,6 @@ import math
 import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
-from .task_keys import session_tag
 
 __all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh"]
 
@@ -118,15 +117,15 @@ class DeviceMesh:
     def dashboard_link(self) -> str | None:
         """The URL of this session's view of the ``/monarch`` page on the scheduler's dashboard,
         ``.../monarch?session=<tag>`` (Dask's ``client.dashboard_link``, whose page is ``/status``, with the last path
-        part replaced; the tag is the session's in task keys, ``task_keys.session_tag``), or None if the scheduler
-        has no dashboard. ``/monarch`` alone shows every session of the cluster."""
+        part replaced; the tag names the session everywhere: repr, logs, task keys, ``protocol/session_id.py``), or
+        None if the scheduler has no dashboard. ``/monarch`` alone shows every session of the cluster."""
         try:
             link = self._session.client.dashboard_link
         except (KeyError, AttributeError, TypeError):
             return None
         if not link:
             return None
-        return link.rsplit("/", 1)[0] + f"/monarch?session={session_tag(self._session.id)}"
+        return link.rsplit("/", 1)[0] + f"/monarch?session={self._session.tag}"
 
     @property
     def workers(self) -> dict:
@@ -338,7 +337,7 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
-        return f"DeviceMesh({dims}; ranks={list(self._rank_list)}; session={self._session.id[:8]})"
+        return f"DeviceMesh({dims}; ranks={list(self._rank_list)}; session={self._session.tag})"
 
 
 def _product(values) -> int:

@@ -395,7 +395,7 @@ def _with_hint(error: Exception, text: str) -> Exception:
 
 def _wrong_session(what: str, mesh, other) -> TypeError:
     return TypeError(
-        f"WRONG_MESH: {what} belongs to another session ({other._session.id[:8]}) than the mesh it runs on "
+        f"WRONG_MESH: {what} belongs to another session ({other._session.tag}) than the mesh it runs on "
         f"({mesh!r}); a session's tensors and meshes can only be used in that session"
     )
 

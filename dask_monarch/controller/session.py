@@ -18,7 +18,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 
 import dask
 import torch
@@ -27,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import interpreter
 from ..exceptions import RemoteException, SessionError
 from ..protocol import ArgsKwargs, CallFunction, CreateStream, FunctionPath, StreamCreationMode, StreamRef
+from ..protocol.session_id import new_session_id, session_tag
 from ..worker.tensor_worker import SessionParams
 from .answers import Answers
 from .channel import MODES, Channels
@@ -85,7 +85,8 @@ class Session(Transport, Bookkeeping, Liveness):
     logger ``dask_monarch.controller``, on stderr by default) which rank it waits for and on what (default: Dask
     config ``monarch.exit-timeout``, else 600 s);
     ``record_answers`` keeps every controller message received in ``answers`` (for tests and debugging);
-    ``session_id`` is the id to use (default: a new uuid; attach registers it with the scheduler first). Dask
+    ``session_id`` is the id to use (default: a new one, ``protocol/session_id.py``; attach registers it with the
+    scheduler first). Dask
     config ``monarch.dashboard.stuck-after`` (seconds, default 60) is how long a rank may be busy on one message
     before the ``/monarch`` page flags it and shows its stream threads' stacks (``ValueError`` if not a positive
     number).
@@ -136,7 +137,9 @@ class Session(Transport, Bookkeeping, Liveness):
             )
         if type(max_batch) is not int or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-        self.id = session_id or uuid.uuid4().hex
+        self.id = session_id or new_session_id()
+        #: the 8 letters that name the session everywhere (repr, dashboard link, logs, task keys, threads)
+        self.tag = session_tag(self.id)
         self.client = client
         self.workers = list(workers)
         self.world_size = len(self.workers)
@@ -170,9 +173,9 @@ class Session(Transport, Bookkeeping, Liveness):
         self.propagator = Propagator(self.fake_mode)
         #: torch's default dtype on the workers as far as this session set it (fresh Dask workers have float32)
         self.default_dtype = torch.float32
-        self._key = self.id[:8]
+        self._key = self.tag
         self._close_lock = threading.Lock()
-        self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-{self.tag}-flush", daemon=True)
         self._released = False  # the interpreter settings given back (``stop``)
         self._release_lock = threading.Lock()
         interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)

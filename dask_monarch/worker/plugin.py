@@ -5,9 +5,9 @@ The controller sends each worker its messages as pinned Dask tasks, each carryin
 has an answer channel to the worker (``worker/channel.py``, whose handler this plugin adds), the batches sent on
 the channel meanwhile:
 
-* ``deliver_batch`` / ``deliver_batches`` (key ``monarch-messages-...``, ``async``): hands its batches to the
+* ``deliver_batch`` / ``deliver_batches`` (key ``monarch-<session>-messages-...``, ``async``): hands its batches to the
   session's inbox (which ignores a batch it already has) and returns.
-* ``sync_batch`` / ``sync_batches`` (keys ``monarch-fetch-...``, ``monarch-status-...``, ``monarch-exit-...``):
+* ``sync_batch`` / ``sync_batches`` (keys ``monarch-<session>-fetch-...``, ``-status-...``, ``-exit-...``):
   hands its batches over (the last ends with ``RequestStatus{seq}``), secedes from the worker's thread pool so it
   never blocks other tasks, waits for ``Status{seq + 1}``, and returns the outbox's chunks that the channel did
   not deliver (``Outbox.for_task``: ``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``,
@@ -24,6 +24,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
+from ..protocol.session_id import session_tag
 from . import activity, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
@@ -94,7 +95,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             tw.fail(reason, owner_left=owner_left)
             tw.close(join_timeout=1.0)
 
-        threading.Thread(target=end, name=f"monarch-{session_id[:8]}-end", daemon=True).start()
+        threading.Thread(target=end, name=f"monarch-{session_tag(session_id)}-end", daemon=True).start()
 
     def teardown(self, worker) -> None:
         if worker.metrics.get(METRICS_KEY) == self.metrics:

@@ -53,6 +53,7 @@ from ..protocol import (
     StreamRef,
     WorkerError,
 )
+from ..protocol.session_id import session_tag
 from .actors import ActorCallStep
 from .borrow import Borrow, BorrowStep
 from .comm import Comms
@@ -115,7 +116,7 @@ class TensorWorker(CommHandlers):
         self.rank = rank
         self.world_size = world_size
         address = getattr(worker, "address", "local")
-        self.actor_id = f"{address}/{session_id[:8]}/rank{rank}"
+        self.actor_id = f"{address}/{session_tag(session_id)}/rank{rank}"
         self.device = select_device(int(options.get("local_rank", 0)))
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
@@ -175,7 +176,8 @@ class TensorWorker(CommHandlers):
             SetRefUnitTestsOnly: self.set_ref_unit_tests_only,
             GetRefUnitTestsOnly: self.get_ref_unit_tests_only,
         }
-        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_id[:8]}-dispatch", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_tag(session_id)}-dispatch",
+                                       daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------------------------------- dispatcher loop
