@@ -87,7 +87,7 @@ def test_data_rows_per_session_and_rank():
     assert r["received"] == [10] * 4 and r["applied"] == [8] * 4 and r["queued"] == [2] * 4
     assert r["inbox"] == [1] * 4 and r["refs"] == [3] * 4 and r["bytes"] == [2048] * 4
     assert r["streams"] == ["main: 2, s1: 0"] * 4  # stream 0 is main; an unnamed stream by its id
-    assert r["bytes_text"] == ["2.0 KiB"] * 4
+    assert r["bytes_text"] == ["2.0 KiB tensors"] * 4  # what a CPU worker counts: its refs' tensor bytes
     assert r["last_error"] == ["", "", "seq 7: ValueError: boom", ""]
     assert r["state"] == ["running"] * 4
 
@@ -419,5 +419,55 @@ def test_one_session_tag_in_repr_link_logs_task_keys_threads_and_page(client2, c
         logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "dask_monarch.controller"]
         assert any(level == logging.ERROR and m.startswith(f"session {tag}") for level, m in logged), logged
         assert all(f"session {tag}" in m for _, m in logged), logged
+    finally:
+        mesh.exit()
+
+
+def test_live_progress_row_counts_compiled_calls_and_shows_reported_values(client2):
+    """A compiled step called 40 times and ``dm.report`` of a number and of a remote loss (fetched without waiting):
+    the scheduler's page data shows the step's calls (finished on both ranks) and the reported values' last values
+    (issue 25 item 6)."""
+    import math
+
+    from dask_monarch.dashboard.install import read_scheduler
+
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid, tag = mesh.session_id, session_tag(mesh.session_id)
+    try:
+        with mesh.activate():
+            w = torch.ones(4)
+
+            @dm.compile
+            def train_step(x):
+                return (x * w).sum()
+
+            x = torch.arange(4.0) + mesh.rank("dp")
+            for step in range(40):
+                loss = train_step(x)
+                dm.report(step=step, loss=loss)
+        assert dm.inspect(loss).item() == 6.0
+        with pytest.raises(TypeError, match="dask_monarch.report: note must be a number"):
+            dm.report(mesh, note="text")
+        with pytest.raises(ValueError, match="dask_monarch.report: lr is nan"):
+            dm.report(mesh, lr=math.nan)
+        with pytest.raises(TypeError, match=r"remote tensor of shape \(4,\)"):
+            dm.report(mesh, x=x)
+
+        def progress(dask_scheduler):
+            view = dask_scheduler.plugins["dask-monarch"].dashboard.update(*read_scheduler(dask_scheduler),
+                                                                          time.time())
+            return {"rows": [r["text"] for r in view["progress"] if r["session"] == tag],
+                    "calls": [l for l, s in zip(view["calls"]["label"], view["calls"]["session"]) if s == tag],
+                    "reports": [l for l, s in zip(view["reports"]["label"], view["reports"]["session"]) if s == tag]}
+
+        def shown():
+            p = client2.run_on_scheduler(progress)
+            done = p["rows"] and "(40 calls)" in p["rows"][0] and "step 39" in p["rows"][0] and "loss 6" in p["rows"][0]
+            return p if done else None
+
+        seen = wait_until(shown, "the step's 40 calls and the last reported values on the page's progress row")
+        assert seen["calls"] == [f"{tag} test_live_progress_row_counts_compiled_calls_and_shows_reported_values."
+                                 "<locals>.train_step"], seen
+        assert sorted(seen["reports"]) == [f"{tag} loss = 6", f"{tag} step = 39"], seen
     finally:
         mesh.exit()

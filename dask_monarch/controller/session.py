@@ -236,6 +236,23 @@ class Session(Transport, Bookkeeping, Liveness):
             self._flush_locked(seq, exit_after=exit_after, kind=kind, tasks=future.tasks)
             return future
 
+    def tell_dashboard(self, handler: str, **kwargs) -> None:
+        """Call the scheduler plugin's ``handler(session_id=self.id, **kwargs)`` (``scheduler/plugin.py``) for the
+        ``/monarch`` page, without waiting for it: nothing happens if the scheduler's dask_monarch has no such
+        handler or the client is closing (the page is a view; the program never waits for it)."""
+        client = self.client
+
+        async def tell():
+            try:
+                await getattr(client.scheduler, handler)(session_id=self.id, **kwargs)
+            except Exception:
+                pass
+
+        try:
+            client.loop.add_callback(tell)
+        except Exception:
+            pass
+
     # ---------------------------------------------------------------------------------------------- failure
     def _fail(self, error: SessionError) -> None:
         """Fail the session: every pending and later wait raises ``error``. Nothing once the session has stopped
