@@ -122,9 +122,12 @@ def test_reported_values_are_lines_with_their_last_value_and_a_progress_row():
     assert select(view, T1)["progress"] == view["progress"]
     page = MonarchPage(SimpleNamespace(plugins={}, workers={}), DashboardData())
     page.show(view)
-    assert "loss 0.625 · step 40" in page.progress.text and page.line_sources["reports"].data["ys"][0][-1] == 0.625
-    page.show(data.update({}, {}, now=313.0))  # the session went: its lines and row go too
-    assert page.progress.text == NO_PROGRESS and page.line_sources["reports"].data["ys"] == []
+    assert "loss 0.625 · step 40" in page.progress.text
+    # a plot per name: a step count beside a loss would flatten the loss on one axis
+    assert [p.title.text.split(",")[0] for p in page.reports.children] == ["loss", "step"]
+    assert page.report_plots["loss"][1].data["ys"] == [[2.5, 1.25, 0.625]]
+    page.show(data.update({}, {}, now=313.0))  # the session went: its lines, plots and row go too
+    assert page.progress.text == NO_PROGRESS and list(page.reports.children) == []
 
 
 # -------------------------------------------------------------------------------------- a tab that closes
@@ -171,3 +174,66 @@ def test_a_closed_websocket_logs_at_debug_and_other_errors_as_they_were():
     record = bokeh.makeRecord(bokeh.name, logging.WARNING, __file__, 1,
                               "Failed sending message as connection was closed", (), None)
     assert bokeh.filter(record) is bokeh.isEnabledFor(logging.DEBUG) and record.levelno == logging.DEBUG
+
+
+def test_a_dispatcher_waiting_in_exit_for_its_streams_is_not_flagged(monkeypatch):
+    """After ``mesh.exit()`` the dispatcher waits in ``Exit`` for a busy stream (issue 25 item 2): the stream is
+    flagged when it is stuck; the dispatcher, which only waits for it, is busy on ``Exit`` but never STUCK."""
+    import threading
+
+    from dask_monarch.protocol import Exit
+    from dask_monarch.worker import activity
+
+    class Owner:  # what activity reads of a stream or a tensor worker (it keeps weak references to them)
+        def __init__(self, **attributes):
+            self.__dict__.update(attributes, thread=threading.current_thread())
+
+    stream = Owner(current=None, busy=False, applied=3)
+    tw = Owner(streams={0: stream}, stuck_after=5.0, completed_seq=0, current=Exit(None), busy=True, received=10,
+               exiting=True)
+    clock = [1000.0]
+    monkeypatch.setattr(activity.time, "monotonic", lambda: clock[0])
+    activity.observe(tw)
+    clock[0] += 60.0
+    dispatcher = activity.observe(tw)[1]
+    assert (dispatcher["kind"], dispatcher["busy"], dispatcher["for_s"], dispatcher["flagged"]) == ("Exit", True,
+                                                                                                  60.0, False)
+    tw.exiting = False  # a dispatcher busy that long on anything else is flagged
+    assert activity.observe(tw)[1]["flagged"] is True
+
+
+def test_many_reported_names_share_the_last_plot():
+    from dask_monarch.dashboard.page import OTHER_REPORTS, REPORT_PLOTS
+
+    names = [f"v{i}" for i in range(REPORT_PLOTS + 2)]
+    info = session(reports={n: deque([(310.0, float(i))]) for i, n in enumerate(names)})
+    page = MonarchPage(SimpleNamespace(plugins={}, workers={}), DashboardData())
+    page.show(page.data.update({S1: info}, metrics(1.0, [1, 1]), now=311.0))
+    assert list(page.report_plots) == [*names[:REPORT_PLOTS - 1], OTHER_REPORTS]
+    assert page.report_plots[OTHER_REPORTS][1].data["label"] == [f"{T1} {n} = {i}" for i, n in
+                                                                  enumerate(names) if i >= REPORT_PLOTS - 1]
+
+
+def test_an_operation_of_a_replay_shows_as_its_call_with_the_calls_seq():
+    """A stream replaying a compiled call runs the recording's operations, whose seqs are those they were recorded
+    with (33, say) long before: the page shows the ``CallRecording`` and its seq (7120), and the rank's progress,
+    which the health line compares, is taken from that seq, not from 33 (a rank was "7087 seqs behind")."""
+    import threading
+
+    import torch
+
+    from dask_monarch.protocol import Factory, Reduce, Reduction, Ref, StreamRef
+    from dask_monarch.worker import activity
+
+    class Owner:
+        def __init__(self, **attributes):
+            self.__dict__.update(attributes, thread=threading.current_thread())
+
+    recorded = Reduce(Ref(3), Ref(2), Factory((4,), torch.float32), Ref(1), StreamRef(0), ["dp"], Reduction.Avg,
+                      False, False, None, 33)
+    call = SimpleNamespace(seq=7120, recording=SimpleNamespace(ref_id=5))
+    stream = Owner(current=recorded, busy=True, applied=3, replay=call)
+    tw = Owner(streams={0: stream}, stuck_after=5.0, completed_seq=7000, current=None, busy=False, received=10)
+    entry = activity.observe(tw)[0]
+    assert (entry["kind"], entry["seq"], entry["name"]) == ("CallRecording", 7120, "recording r5 at Reduce avg over dp")
+    assert activity.progress(tw, activity.observe(tw)) == 7119

@@ -322,18 +322,24 @@ class Session(Transport, Bookkeeping, Liveness):
     def _wait_closed(self, futures: dict, deadline: float) -> None:
         """Wait until every rank has closed the session (threads joined, memory freed), which may be after the
         ``Status`` that the channel brought: its exit task (``futures``: rank -> Dask future) is done, or its
-        worker said so on the channel. Raises ``TimeoutError`` naming the ranks still closing at ``deadline``
-        (``time.monotonic()``)."""
+        worker said so on the channel. A rank whose worker leaves or goes silent meanwhile fails it, as any wait
+        (``check_alive``, every ``liveness_interval``). Raises ``TimeoutError`` naming the ranks still closing at
+        ``deadline`` (``time.monotonic()``)."""
         ended = self.channels.ended if self.channels is not None else set()
+        check = time.monotonic() + self.liveness_interval
         while True:
             late = [r for r, f in futures.items() if r not in ended and not f.done()]
             if not late:
                 break
             if self.failure is not None:
                 raise self.failure
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 names = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
                 raise TimeoutError(f"mesh.exit(): the session did not finish closing on {names} in time")
+            if now >= check:
+                self.check_alive()
+                check = now + self.liveness_interval
             time.sleep(0.002)
         # a rank that said so on the channel still runs its exit task for a moment (it returns once its last answers
         # are acknowledged): let it end, briefly, so that closing an embedded cluster next does not cancel it under

@@ -43,6 +43,9 @@ _SCROLLBAR = 18
 #: Dask's own pages linked from each session's health line (relative to the page, so a dashboard prefix works)
 DASK_LINKS = (("Task Stream", "individual-task-stream"), ("Workers", "workers"), ("Profile", "profile"))
 _COLORS = {"running": "#2ca02c", "finishing": "#ff7f0e", "failed": "#d62728", "ended": "#7f7f7f"}
+#: reported names with a plot of their own (the later ones share the last plot, ``OTHER_REPORTS``)
+REPORT_PLOTS = 6
+OTHER_REPORTS = "other values"
 NO_PROGRESS = ("<i>No compiled calls or reported values yet: a function compiled with <code>dask_monarch.compile"
                "</code> shows its calls per second here, and <code>dask_monarch.report(loss=...)</code> a line of "
                "each value.</i>")
@@ -131,7 +134,7 @@ class MonarchPage:
         self.now_source = ColumnDataSource({c: [] for c in NOW_COLUMNS}, name="monarch-now-source")
         self.error_source = ColumnDataSource({c: [] for c in ERROR_COLUMNS}, name="monarch-errors-source")
         self.line_sources = {key: ColumnDataSource({c: [] for c in RATE_COLUMNS}, name=f"monarch-{key}-source")
-                             for key in ("rates", "queued", "held", "calls", "reports")}
+                             for key in ("rates", "queued", "held", "calls")}
         self.rate_source = self.line_sources["rates"]
         count = NumberFormatter(format="0,0")
         self.sessions = _table(self.session_source, "monarch-sessions", [
@@ -187,8 +190,9 @@ class MonarchPage:
         self.calls = _lines(f"compiled calls per second (over {RATE_WINDOW:g} s; calls finished on every rank), per "
                             "compiled function", "calls / s", "monarch-calls", self.line_sources["calls"],
                             self.rates.x_range)
-        self.reports = _lines("values the program reports (dask_monarch.report)", "value", "monarch-reports",
-                              self.line_sources["reports"], self.rates.x_range)
+        # one plot per reported name (a loss and a step count on one axis would flatten the loss), made as they come
+        self.reports = column(name="monarch-reports", sizing_mode="stretch_width")
+        self.report_plots: dict = {}  # name (or OTHER_REPORTS) -> (figure, its source)
         self.tables = column(
             Div(text="<b>Progress</b>"), self.progress, self.calls, self.reports,
             Div(text="<b>Where each rank is now</b>"), self.now,
@@ -232,9 +236,36 @@ class MonarchPage:
         for key, source in self.line_sources.items():
             if dict(source.data) != view[key]:
                 source.data = view[key]
+        self._show_reports(view["reports"])
         title = memory_title(view["ranks"]["device"])  # what the memory line measures on the ranks shown
         if self.held.title.text != title:
             self.held.title.text = title
+
+
+    def _show_reports(self, lines: dict) -> None:
+        """A plot per reported name (its lines: one per session), the first ``REPORT_PLOTS - 1`` names that came
+        each on its own, any later ones together on the last."""
+        groups: dict = {}
+        for i, name in enumerate(lines["name"]):
+            key = name if name in groups or len(groups) < REPORT_PLOTS - 1 else OTHER_REPORTS
+            groups.setdefault(key, []).append(i)
+        plots = []
+        for key, rows in groups.items():
+            entry = self.report_plots.get(key)
+            if entry is None:
+                source = ColumnDataSource({c: [] for c in RATE_COLUMNS}, name=f"monarch-report-{key}-source")
+                title = (f"{key}, as the program reports it (dask_monarch.report)" if key != OTHER_REPORTS else
+                         "other values the program reports (dask_monarch.report)")
+                plot = _lines(title, key if key != OTHER_REPORTS else "value", f"monarch-report-{key}", source,
+                              self.rates.x_range)
+                plot.height = 160
+                entry = self.report_plots[key] = (plot, source)
+            data = {c: [lines[c][i] for i in rows] for c in RATE_COLUMNS}
+            if dict(entry[1].data) != data:
+                entry[1].data = data
+            plots.append(entry[0])
+        if list(self.reports.children) != plots:
+            self.reports.children = plots
 
 
 def session_argument(doc) -> str | None:

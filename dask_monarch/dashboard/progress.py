@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from .history import LINE_COLUMNS, PALETTE, Series, WindowRate
 
-__all__ = ["Progress", "PROGRESS_KEYS"]
+__all__ = ["Progress", "PROGRESS_KEYS", "REPORT_COLUMNS"]
 
 #: the keys of a progress row (one per session with compiled calls or reports)
 PROGRESS_KEYS = ("session", "text")
+#: the columns of the reported values' lines: a plot's, and the name reported (the page plots each on its own)
+REPORT_COLUMNS = (*LINE_COLUMNS, "name")
 
 
 class _Calls:
@@ -97,10 +99,10 @@ class Progress:
             del self._tags[session_id]
 
     def view(self, sessions: dict) -> dict:
-        """``{"calls": lines, "reports": lines, "progress": [row]}``: lines are columns (``LINE_COLUMNS``) with one
-        row per (session, function) or (session, name), xs in milliseconds; rows ``PROGRESS_KEYS``, one per
+        """``{"calls": lines, "reports": lines, "progress": [row]}``: lines are columns (``LINE_COLUMNS``; the
+        reports' ``REPORT_COLUMNS``) with one row per (session, function) or (session, name), xs in milliseconds; rows ``PROGRESS_KEYS``, one per
         session that has compiled calls or reports, in the order of ``sessions``."""
-        calls, reports = _lines(), _lines()
+        calls, reports = _lines(), _lines(REPORT_COLUMNS)
         texts: dict = {}
         for i, ((session_id, name), c) in enumerate(self._calls.items()):
             tag = self._tags[session_id]
@@ -109,14 +111,15 @@ class Progress:
         for i, ((session_id, name), r) in enumerate(self._reports.items()):
             tag = self._tags[session_id]
             _line(reports, r.series, f"{tag} {name} = {r.value:.4g}", tag, i)
+            reports["name"].append(name)
             texts.setdefault(session_id, []).append(f"{name} {r.value:.4g}")
         rows = [{"session": self._tags[s], "text": f"{self._tags[s]}: " + " · ".join(texts[s])}
                 for s in sessions if s in texts]
         return {"calls": calls, "reports": reports, "progress": rows}
 
 
-def _lines() -> dict:
-    return {c: [] for c in LINE_COLUMNS}
+def _lines(columns=LINE_COLUMNS) -> dict:
+    return {c: [] for c in columns}
 
 
 def _line(lines: dict, series: Series, label: str, tag: str, i: int) -> None:

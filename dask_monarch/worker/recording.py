@@ -112,10 +112,14 @@ class ReplayCall:
         """On ``stream``'s thread, in its order: replay this stream's part (``worker/replay.py``), through a CUDA
         graph if the recording asks for one (``worker/graphs.py``)."""
         recording = self.recording
-        if recording.cuda_graph:
-            replay_graph(stream, self, replay)
-        else:
-            replay(stream, self)
+        stream.replay = self  # the dashboard shows the operations it runs as this call's (worker/activity.py)
+        try:
+            if recording.cuda_graph:
+                replay_graph(stream, self, replay)
+            else:
+                replay(stream, self)
+        finally:
+            stream.replay = None
         if stream.ref.id == recording._first:
             recording.replayed += 1
 

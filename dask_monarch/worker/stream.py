@@ -157,6 +157,7 @@ class StreamWorker(ReduceHandler):
         #: clock and no lock (``DeleteRefs`` leaves it alone: it has no seq and never waits)
         self.current = None
         self.busy = False
+        self.replay = None  # the ReplayCall running on this thread, whose operations set ``current`` (activity.py)
         self.thread = threading.Thread(
             target=self._run, name=f"monarch-{session_tag(tensor_worker.session_id)}-stream{ref.id}", daemon=True
         )
