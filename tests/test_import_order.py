@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from test_scripts import EXPECTED, assert_quiet, run_script
+from test_scripts import EXAMPLE, EXPECTED, assert_quiet, run_script
 
 # a program's first lines as many are written: dask first; the names pickle looks up are globals of __main__
 PICKLES = """
@@ -58,36 +58,26 @@ def test_a_program_that_imports_dask_first_trains_compiles_and_fetches(tmp_path)
     """The README's example with ``import dask`` and ``import distributed`` before torch, on the embedded cluster:
     backward (its ``clone``s carry ``torch.preserve_format``), a compiled step (the recording carries it too) and
     fetches give the promised values, and nothing error-looking is printed."""
-    proc = run_script(tmp_path, textwrap.dedent("""
-        import dask
-        import distributed
-        import torch
-        import torch.nn.functional as F
-        import dask_monarch as dm
+    compiled = """
+        @dm.compile
+        def step(xb):                        # a compiled step: the recording carries the clones too
+            model.zero_grad()
+            F.mse_loss(model(xb), torch.zeros(2)).backward()
+            return model.weight.grad.clone(memory_format=torch.preserve_format)
 
-        with dm.attach(dims={"dp": 2}) as mesh:
-            with mesh.activate():
-                x = torch.arange(4.0) + 10 * mesh.rank("dp")
-                model = torch.nn.Linear(4, 2)
-                loss = F.mse_loss(model(x), torch.zeros(2))
-                loss.backward()
-                dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
-                total = x.reduce("dp", "sum")
-
-                @dm.compile
-                def step(xb):                        # a compiled step: the recording carries the clones too
-                    model.zero_grad()
-                    F.mse_loss(model(xb), torch.zeros(2)).backward()
-                    return model.weight.grad.clone(memory_format=torch.preserve_format)
-
-                compiled = [step(x) for _ in range(3)]
-                model.zero_grad()
-                F.mse_loss(model(x), torch.zeros(2)).backward()
-                eager = model.weight.grad.clone(memory_format=torch.contiguous_format)
-            print(dm.inspect(total))
-            print(dm.fetch_shard(x, dp=1).result())
-            print(step.recordings, torch.equal(dm.inspect(compiled[-1], dp=1), dm.inspect(eager, dp=1)))
-    """))
+        compiled = [step(x) for _ in range(3)]
+        model.zero_grad()
+        F.mse_loss(model(x), torch.zeros(2)).backward()
+        eager = model.weight.grad.clone(memory_format=torch.contiguous_format)
+"""
+    compared = '    print(step.recordings, torch.equal(dm.inspect(compiled[-1], dp=1), dm.inspect(eager, dp=1)))\n'
+    total = '        total = x.reduce("dp", "sum")\n'
+    fetch = '    print(dm.fetch_shard(x, dp=1).result())\n'
+    example = EXAMPLE.format(cluster="")
+    assert total in example and fetch in example
+    script = "import dask\nimport distributed\n" + example.replace(
+        total, total + textwrap.indent(textwrap.dedent(compiled), " " * 8)).replace(fetch, fetch + compared)
+    proc = run_script(tmp_path, script)
     lines = proc.stdout.splitlines()
     assert lines[:2] == EXPECTED
     assert lines[2] == "2 True", proc.stdout  # the recording and its verifying second one; the replay's gradient
