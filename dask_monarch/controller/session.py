@@ -315,7 +315,7 @@ class Session(Transport, Bookkeeping, Liveness):
 
     def _exit_notice(self, seq: int, deadline: float) -> None:
         """Say once which ranks ``mesh.exit()`` waits for and what they are busy on (``describe_busy``)."""
-        logger.warning("dask_monarch: session %s: mesh.exit() waits for %s; it waits while their workers keep their "
+        logger.warning("dask_monarch: session %s: mesh.exit() waits for %s; it waits as long as each worker keeps its "
                        "heartbeat, %s s more at most (exit_timeout)", self._key, self.describe_busy(seq),
                        f"{max(0.0, deadline - time.monotonic()):.0f}")
 
