@@ -34,6 +34,7 @@ from .controller import (
     reduce,
     reduce_,
     remote,
+    report,
     slice_mesh,
     to_mesh,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "report",
     "slice_mesh",
     "to_mesh",
     "to_dask",

@@ -439,6 +439,29 @@ def test_argument_that_cannot_be_unpickled_on_the_worker_is_a_value_error(mesh1,
 
 
 # ----------------------------------------------------------------------------------------- fetch coordinates
+def test_a_module_made_outside_activate_is_named_for_its_local_parameters(mesh1):
+    """An ``nn.Linear`` made before ``activate()`` and called inside: the LOCAL_TENSOR error says that module
+    parameters made outside are local tensors, not just "shape (2,)" (its bias), and how to fix it; the fix it
+    gives works and keeps the module's values (issue 25 item 7)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    x_local = torch.arange(4.0)
+    expected = model(x_local).detach()
+    ones = torch.ones(4)  # a plain local tensor
+    with mesh1.activate():
+        x = torch.arange(4.0)
+        with pytest.raises(TypeError, match=r"^LOCAL_TENSOR: a local nn.Parameter \(shape \(2,\), dtype torch.float32\) is "
+                                            r"mixed with remote tensors: module parameters created outside "
+                                            r"mesh.activate\(\) are local tensors. Create the module under"):
+            model(x)
+        with pytest.raises(TypeError, match=r"^LOCAL_TENSOR: a local torch.Tensor is mixed with remote tensors"):
+            x + ones  # keeps its message
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)  # the fix given
+        assert all(isinstance(p, dm.Tensor) for p in model.parameters())
+        y = model(x)
+    assert torch.allclose(dm.inspect(y), expected)
+
+
 def test_fetch_coordinates_must_be_ints_and_numpy_ints_are_ints(mesh1):
     import numpy as np
 
@@ -507,7 +530,8 @@ def test_attach_that_fails_late_leaves_nothing_behind(client1, monkeypatch):
         raise RuntimeError("mesh construction failed")
 
     def flusher_threads():
-        return {t.name for t in threading.enumerate() if t.name.startswith("monarch-flush-") and t.is_alive()}
+        return {t.name for t in threading.enumerate()
+                if t.name.startswith("monarch-") and t.name.endswith("-flush") and t.is_alive()}
 
     before, flushers_before = scheduler_sessions(client1), flusher_threads()
     monkeypatch.setattr(attach_module, "DeviceMesh", broken_mesh)

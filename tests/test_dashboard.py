@@ -49,9 +49,9 @@ def test_task_keys_group_per_session_and_kind_under_key_split():
     # every rank and batch of one (kind, session) falls in one group, named after both
     assert len(set(prefixes.values())) == len(KINDS) * 2
     for (kind, s), prefix in prefixes.items():
-        assert prefix == f"monarch-{kind}-{session_tag(s)}"
+        assert prefix == f"monarch-{session_tag(s)}-{kind}"
     assert session_tag(S1).isalpha() and session_tag(S2).isalpha()
-    assert parse_task_key(task_key("fetch", S2, 3, 17)) == ("fetch", S2[:8], 3, 17)
+    assert parse_task_key(task_key("fetch", S2, 3, 17)) == ("fetch", session_tag(S2), 3, 17)
     assert parse_task_key("monarch-batch-0123abcd-0-1") is None
     with pytest.raises(ValueError, match="task kind"):
         task_key("sync", S1, 0, 0)
@@ -87,7 +87,7 @@ def test_data_rows_per_session_and_rank():
     assert r["received"] == [10] * 4 and r["applied"] == [8] * 4 and r["queued"] == [2] * 4
     assert r["inbox"] == [1] * 4 and r["refs"] == [3] * 4 and r["bytes"] == [2048] * 4
     assert r["streams"] == ["main: 2, s1: 0"] * 4  # stream 0 is main; an unnamed stream by its id
-    assert r["bytes_text"] == ["2.0 KiB"] * 4
+    assert r["bytes_text"] == ["2.0 KiB tensors"] * 4  # what a CPU worker counts: its refs' tensor bytes
     assert r["last_error"] == ["", "", "seq 7: ValueError: boom", ""]
     assert r["state"] == ["running"] * 4
 
@@ -229,7 +229,7 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     for _ in range(50):
         x = dm.remote(add_one)(x)
     bad = dm.remote(fail, propagate=fail_shape)(x)
-    mesh._session.flush()  # a batch without a wait: a monarch-messages task
+    mesh._session.flush()  # a batch without a wait: a monarch-<session>-messages task
     assert dm.inspect(x).tolist() == [51.0] * 256
     with pytest.raises(RemoteException, match="boom from the dashboard test"):
         dm.inspect(bad)
@@ -278,7 +278,7 @@ def test_live_session_metrics_prometheus_task_keys_and_page(client2):
     # the session's tasks, grouped by kind per session (Task Stream colors and Progress bars by these prefixes)
     prefixes = set(client2.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes)))
     mine = {p for p in prefixes if tag in p}
-    assert mine == {f"monarch-messages-{tag}", f"monarch-fetch-{tag}", f"monarch-exit-{tag}"}, prefixes
+    assert mine == {f"monarch-{tag}-messages", f"monarch-{tag}-fetch", f"monarch-{tag}-exit"}, prefixes
 
 
 # ------------------------------------------------------------------------------- the page from the scheduler's start
@@ -375,5 +375,99 @@ def test_live_stream_names_and_rates_sampled_from_the_session_start_without_a_pa
     try:
         view = wait_until(sampled, "both ranks' stream names and rate points, with no page open")
         assert all(xs[0] == view["started"] * 1000.0 for xs in view["xs"]), view
+    finally:
+        mesh.exit()
+
+
+def test_one_session_tag_in_repr_link_logs_task_keys_threads_and_page(client2, caplog):
+    """One name per session (issue 25 item 5): the mesh's repr, the dashboard link's ``?session=``, the controller's
+    log lines and errors, the tasks' keys (``monarch-<session>-<kind>-...``), the session's threads on both sides
+    and the page's rows all show the same 8 letters, the first of the session id."""
+    import logging
+    import threading
+
+    from dask_monarch.dashboard.install import read_scheduler
+    from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath
+    from dask_monarch.controller.session import DEFAULT_STREAM
+
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid = mesh.session_id
+    tag = sid[:8]
+    try:
+        assert len(sid) == 32 and set(sid) <= set("ghijklmnopqrstuv") and session_tag(sid) == tag
+        assert repr(mesh).endswith(f"session={tag})") and mesh.dashboard_link.endswith(f"/monarch?session={tag}")
+        answer = dm.fetch_shard(mesh.rank("dp"), dp=1)
+        assert answer.result().item() == 1
+        assert {f.key.rsplit("-", 2)[0] for f in answer.futures} == {f"monarch-{tag}-fetch"}
+        mine = sorted(t.name for t in threading.enumerate() if tag in t.name)
+        assert {"flush", "answers", "socket-r0", "socket-r1"} <= {n.split("-", 2)[2] for n in mine}, mine
+        assert all(n.startswith(f"monarch-{tag}-") for n in mine), mine
+        on_workers = client2.run(lambda: sorted(t.name for t in threading.enumerate() if t.name.startswith("monarch-")))
+        assert {f"monarch-{tag}-dispatch", f"monarch-{tag}-stream0"} <= set(on_workers[mesh.workers[1]]), on_workers
+
+        def page_rows(dask_scheduler):
+            view = dask_scheduler.plugins["dask-monarch"].dashboard.update(*read_scheduler(dask_scheduler), time.time())
+            return [t for t, i in zip(view["sessions"]["session"], view["sessions"]["id"]) if i == sid]
+
+        assert client2.run_on_scheduler(page_rows) == [tag]
+        caplog.set_level(logging.ERROR, logger="dask_monarch.controller")
+        session = mesh._session
+        session.send(CallFunction(session.new_seq(), [None], [], FunctionPath("__test_panic"), ArgsKwargs(),
+                                  DEFAULT_STREAM, []))
+        with pytest.raises(dm.SessionError, match=rf"^session {tag}\w* failed on rank"):
+            dm.fetch_shard(mesh.rank("dp")).result(timeout=60)
+        logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "dask_monarch.controller"]
+        assert any(level == logging.ERROR and m.startswith(f"session {tag}") for level, m in logged), logged
+        assert all(f"session {tag}" in m for _, m in logged), logged
+    finally:
+        mesh.exit()
+
+
+def test_live_progress_row_counts_compiled_calls_and_shows_reported_values(client2):
+    """A compiled step called 40 times and ``dm.report`` of a number and of a remote loss (fetched without waiting):
+    the scheduler's page data shows the step's calls (finished on both ranks) and the reported values' last values
+    (issue 25 item 6)."""
+    import math
+
+    from dask_monarch.dashboard.install import read_scheduler
+
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid, tag = mesh.session_id, session_tag(mesh.session_id)
+    try:
+        with mesh.activate():
+            w = torch.ones(4)
+
+            @dm.compile
+            def train_step(x):
+                return (x * w).sum()
+
+            x = torch.arange(4.0) + mesh.rank("dp")
+            for step in range(40):
+                loss = train_step(x)
+                dm.report(step=step, loss=loss)
+        assert dm.inspect(loss).item() == 6.0
+        with pytest.raises(TypeError, match="dask_monarch.report: note must be a number"):
+            dm.report(mesh, note="text")
+        with pytest.raises(ValueError, match="dask_monarch.report: lr is nan"):
+            dm.report(mesh, lr=math.nan)
+        with pytest.raises(TypeError, match=r"remote tensor of shape \(4,\)"):
+            dm.report(mesh, x=x)
+
+        def progress(dask_scheduler):
+            view = dask_scheduler.plugins["dask-monarch"].dashboard.update(*read_scheduler(dask_scheduler),
+                                                                          time.time())
+            return {"rows": [r["text"] for r in view["progress"] if r["session"] == tag],
+                    "calls": [l for l, s in zip(view["calls"]["label"], view["calls"]["session"]) if s == tag],
+                    "reports": [l for l, s in zip(view["reports"]["label"], view["reports"]["session"]) if s == tag]}
+
+        def shown():
+            p = client2.run_on_scheduler(progress)
+            done = p["rows"] and "(40 calls)" in p["rows"][0] and "step 39" in p["rows"][0] and "loss 6" in p["rows"][0]
+            return p if done else None
+
+        seen = wait_until(shown, "the step's 40 calls and the last reported values on the page's progress row")
+        assert seen["calls"] == [f"{tag} test_live_progress_row_counts_compiled_calls_and_shows_reported_values."
+                                 "<locals>.train_step"], seen
+        assert sorted(seen["reports"]) == [f"{tag} loss = 6", f"{tag} step = 39"], seen
     finally:
         mesh.exit()

@@ -165,6 +165,22 @@ def test_data_keeps_ended_sessions_and_selects_one_session():
     assert data.update({}, {}, now=130.0)["shown"] is False and data.current_rate == {}
 
 
+def test_data_a_rank_still_busy_after_exit_is_finishing_not_exited():
+    """``mesh.exit()`` came (issue 25 item 2): rank 0 ended the session there, rank 1 still runs what was sent
+    before (its snapshot says ``exiting``): rank 1 is "finishing", and so is the session, until it ends."""
+    w = ["tcp://w0", "tcp://w1"]
+    busy = now_entry("0", busy=True, seq=2, name="job.sleepy", for_s=12.0)
+    metrics = {w[0]: {"time": 1.0, "closed": {S1: None}, "sessions": {}},
+               w[1]: {"time": 1.0, "closed": {}, "sessions": {S1: {**snap(1, now=[busy], progress=1),
+                                                                   "exiting": True}}}}
+    view = DashboardData().update({S1: session(w)}, metrics, now=121.0)
+    assert view["ranks"]["state"] == ["exited", "finishing"]
+    assert view["health"][0]["state"] == "finishing" and view["sessions"]["state"] == ["finishing"]
+    assert view["health"][0]["text"].startswith(f"{T1} finishing · 2 ranks · ")
+    metrics[w[1]]["sessions"][S1]["exiting"] = False  # a rank that was not told to exit is running
+    assert DashboardData().update({S1: session(w)}, metrics, now=121.0)["ranks"]["state"] == ["exited", "running"]
+
+
 def test_page_health_links_and_one_session_view():
     h = session_health(T1, S1, "running", "", [rank(0, 1)], {0: RankProgress()}, 1.0, "1s")
     everything = health_html([h])

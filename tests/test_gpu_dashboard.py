@@ -1,6 +1,6 @@
-"""On a GPU worker the dashboard's bytes-held history is the CUDA memory allocated on the worker's device (issue 18):
-a session holding 64 MiB on the GPU shows a point of at least that in its ``held`` series, and the rank's device is
-``cuda:0``. One GPU; skipped without CUDA. Run: ``pytest -m gpu tests/test_gpu_dashboard.py``."""
+"""On a GPU worker the dashboard's memory history is the CUDA memory allocated on the worker's device (issue 18),
+labelled so (issue 25 item 6): a session holding 64 MiB on the GPU shows a point of at least that in its ``held``
+series, the rank's device is ``cuda:0``, and the table and the plot's title say CUDA memory. One GPU; skipped without CUDA. Run: ``pytest -m gpu tests/test_gpu_dashboard.py``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ ELEMENTS = 16 * 2**20  # 64 MiB of float32
 def test_memory_history_shows_cuda_memory_allocated():
     from distributed import Client, LocalCluster
 
-    from dask_monarch.dashboard.data import select
+    from dask_monarch.dashboard.data import memory_title, select
     from dask_monarch.dashboard.install import read_scheduler
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
@@ -35,7 +35,7 @@ def test_memory_history_shows_cuda_memory_allocated():
         def view(dask_scheduler):
             plugin = dask_scheduler.plugins["dask-monarch"]
             v = select(plugin.dashboard.update(*read_scheduler(dask_scheduler), time.time()), tag)
-            return {"held": v["held"]["ys"], "device": v["ranks"]["device"]}
+            return {"held": v["held"]["ys"], "device": v["ranks"]["device"], "memory": v["ranks"]["bytes_text"]}
 
         try:
             with mesh.activate():
@@ -49,5 +49,8 @@ def test_memory_history_shows_cuda_memory_allocated():
                 assert time.monotonic() < deadline, f"no CUDA memory in the held series: {seen}"
                 time.sleep(0.5)
             assert seen["device"][0].startswith("cuda"), seen["device"]
+            # labelled by what it measures (issue 25 item 6): CUDA memory, in the table and the plot's title
+            assert seen["memory"][0].endswith(" CUDA"), seen["memory"]
+            assert memory_title(seen["device"]).startswith("CUDA memory allocated"), memory_title(seen["device"])
         finally:
             mesh.exit()

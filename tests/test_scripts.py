@@ -60,7 +60,7 @@ def assert_quiet(proc: subprocess.CompletedProcess) -> None:
 
 
 def session_ids(proc) -> list[str]:
-    return re.findall(r"^session ([0-9a-f]{32})$", proc.stdout, re.MULTILINE)
+    return re.findall(r"^session ([g-v]{32})$", proc.stdout, re.MULTILINE)
 
 
 # ---------------------------------------------------------------------------------------------- embedded cluster

@@ -14,6 +14,7 @@ from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .process_group import RemoteProcessGroup
 from .reduce import reduce, reduce_
 from .remote import remote
+from .report import report
 from .session import MonarchFuture, Session
 from .stream import Borrow, Stream, get_active_stream, main_stream
 from .tensor import Tensor
@@ -44,6 +45,7 @@ __all__ = [
     "reduce",
     "reduce_",
     "remote",
+    "report",
     "slice_mesh",
     "to_mesh",
 ]

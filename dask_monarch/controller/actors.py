@@ -45,7 +45,6 @@ from .local import propagating
 from .mesh import DeviceMesh, frontend
 from .remote import _mesh_of, _with_hint, function_of, pack_leaves, remote_outputs
 from .stream import check_access, get_active_stream
-from .task_keys import session_tag
 from .tensor import Tensor
 
 __all__ = ["ActorMesh", "Endpoint", "as_endpoint", "endpoint", "spawn"]
@@ -110,7 +109,7 @@ def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
     session.check_ok()
     if session.recording() is not None:
         raise RuntimeError("spawn inside a compiled function: actors cannot be recorded")
-    base = f"monarch-actor-{session_tag(session.id)}-{_letters(cls.__name__)}-{next(_counter)}"
+    base = f"monarch-{session.tag}-actor-{_letters(cls.__name__)}-{next(_counter)}"
     client = session.client
     # the class travels as remote() functions do (by path, or by value keeping its file names for tracebacks),
     # and the constructor's arguments as a tuple and a dict, so no keyword of the class clashes with submit's own

@@ -6,7 +6,7 @@ Dask runs every ``Future.add_done_callback`` callback of a process on one shared
 and ``Client``: ``fut.result()`` on a task whose worker died after computing it never returns, because Dask
 reschedules the lost key onto the pinned, dead worker ("Couldn't gather 1 keys, rescheduling ...") and waits for
 it. So a session uses no such callback. ``distributed.as_completed`` tracks its tasks on the client's event loop,
-and the session's own ``monarch-answers-<tag>`` thread takes each finished task and hands it to the session
+and the session's own ``monarch-<tag>-answers`` thread takes each finished task and hands it to the session
 (``Session._on_sync_done`` / ``_on_batch_done``), which reads the result through ``result``: ``Client.gather``
 runs on the event loop and is awaited here in slices of ``SLICE`` seconds, and given up (``AnswerLost``) as soon
 as the result is lost (the future's status leaves ``finished``: its worker died) or the session has failed or
@@ -56,7 +56,7 @@ class Answers:
         self._chunks: deque = deque()  # (rank, pickled chunk) from the answer channels
         self._wake = self._done.thread_condition  # as_completed notifies it when a future is done
         self._stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"monarch-answers-{tag}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"monarch-{tag}-answers", daemon=True)
         self.thread.start()
 
     def add(self, future, sync: bool) -> None:

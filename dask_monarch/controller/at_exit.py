@@ -10,7 +10,7 @@ import atexit
 import sys
 import threading
 
-__all__ = ["remember", "forget"]
+__all__ = ["remember", "forget", "live_meshes"]
 
 _lock = threading.Lock()
 _live: dict = {}  # id -> owner mesh not yet exited
@@ -30,6 +30,12 @@ def remember(mesh) -> None:
 def forget(mesh) -> None:
     with _lock:
         _live.pop(id(mesh), None)
+
+
+def live_meshes() -> list:
+    """The meshes ``attach`` returned that are not exited yet (``dask_monarch.report``'s default session)."""
+    with _lock:
+        return list(_live.values())
 
 
 def _at_interpreter_exit(fn) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-import uuid
 from collections.abc import Mapping
 
 from distributed import Client
@@ -18,6 +17,7 @@ from distributed.comm import get_address_host_port
 
 from ..cluster import cluster_workers, default_worker_count, start_local_cluster, wait_for_workers
 from ..protocol import Slice
+from ..protocol.session_id import new_session_id
 from ..scheduler import MonarchSchedulerPlugin
 from ..worker import MonarchWorkerPlugin
 from ..worker.device import gpu_of_worker
@@ -255,7 +255,7 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             _check_gpus(client, workers, timeout)
         # the scheduler knows the session before any of its messages leaves: if this controller vanishes or
         # attach fails from here on, ending it there ends it on the workers too
-        session_id = uuid.uuid4().hex
+        session_id = new_session_id()
         client.sync(
             client.scheduler.monarch_session_open,
             session_id=session_id, client=client.id, dims=dict(zip(names, sizes)), workers=workers,

@@ -198,8 +198,8 @@ class Compiled:
                 if t.mesh._session is not session:
                     raise TypeError(
                         f"WRONG_MESH: compiled function {self.name}: its tensor arguments belong to two sessions "
-                        f"(tensor argument 0 to session {session.id[:8]}, tensor argument {i} to session "
-                        f"{t.mesh._session.id[:8]})"
+                        f"(tensor argument 0 to session {session.tag}, tensor argument {i} to session "
+                        f"{t.mesh._session.tag})"
                     )
             return session
         mesh = get_active_mesh()

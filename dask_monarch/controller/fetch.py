@@ -83,7 +83,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         if t.mesh._session is not mesh._session:
             raise TypeError(
                 f"WRONG_MESH: fetch_shard of tensors of another session ({t.ref} of session "
-                f"{t.mesh._session.id[:8]}, {tensors[0].ref} of session {mesh._session.id[:8]})"
+                f"{t.mesh._session.tag}, {tensors[0].ref} of session {mesh._session.tag})"
             )
         if t.mesh._rank_list != mesh._rank_list:
             raise TypeError("WRONG_MESH: fetch_shard of tensors on different meshes")

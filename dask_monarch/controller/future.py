@@ -49,8 +49,10 @@ class MonarchFuture:
             self._session._failure_seen = True  # reported here, so mesh.exit() need not raise it again
             raise
 
-    def _result(self, timeout: float | None):
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _result(self, timeout: float | None, notice=None):
+        """``result``; ``notice``: ``(seconds, fn)``, ``fn()`` is called once if no answer came in that long."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         while True:
             wait = self._session.liveness_interval
             if deadline is not None:
@@ -60,6 +62,9 @@ class MonarchFuture:
             except concurrent.futures.TimeoutError:
                 pass
             self._session.check_alive()
+            if notice is not None and time.monotonic() - start >= notice[0]:
+                notice, tell = None, notice[1]
+                tell()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self._describe} was not answered within {timeout:g} s: "

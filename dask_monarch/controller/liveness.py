@@ -51,11 +51,26 @@ class Liveness:
             for address in addresses:
                 age = ages.get(address)
                 beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
-                text += f"\n  {address}: {beat}{states[address]}; batches sent to it: {sent.get(address)}"
+                state = states[address]
+                text += (f"\n  {address}: {beat}{state if isinstance(state, str) else repr(state)}; "
+                         f"batches sent to it: {sent.get(address)}")
         return text
 
+    def describe_busy(self, seq: int) -> str:
+        """The ranks that have not answered ``Status`` past ``seq`` and what each one's worker says it applies now
+        (``session_state``'s ``busy``; asked in parallel, each bounded by ``PROBE_TIMEOUT``): ``rank 1
+        (tcp://...) on CallFunction seq 3: __main__.train (main, busy 12 s)``."""
+        late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
+        states = self._probe_workers([self.workers[r] for r in late]) if late else {}
+        parts = []
+        for r in late:
+            state = states.get(self.workers[r])
+            parts.append(f"rank {r} ({self.workers[r]}) " + _busy_text(state))
+        return "; ".join(parts) or "nobody (answers are being processed)"
+
     def _probe_workers(self, addresses: list) -> dict:
-        """``session_state`` of each worker, asked one by one in parallel, each bounded by ``PROBE_TIMEOUT``."""
+        """``session_state`` of each worker (a dict), or why it could not be asked (a str), asked one by one in
+        parallel, each bounded by ``PROBE_TIMEOUT``."""
         timeout = self.PROBE_TIMEOUT
         client = self.client
 
@@ -64,7 +79,7 @@ class Liveness:
                 answer = await asyncio.wait_for(
                     client._run(session_state, self.id, workers=[address], on_error="return"), timeout
                 )
-                return repr(answer.get(address, answer))
+                return answer.get(address, answer)
             except asyncio.TimeoutError:
                 return f"did not answer within {timeout:g} s (stopped, hung or unreachable)"
             except Exception as e:
@@ -181,3 +196,24 @@ class Liveness:
         if departed:
             return SessionError(f"session {self.id}: {departed}; the mesh cannot continue ({where} reported: {text})")
         return SessionError(f"session {self.id} failed on {where}: {text}")
+
+
+def _busy_text(state) -> str:
+    """What a worker's ``session_state`` says its session's threads apply, as text (``describe_busy``)."""
+    if not isinstance(state, dict):
+        return f"(its worker {state if isinstance(state, str) else repr(state)})"
+    busy = state.get("busy")
+    if busy is None:
+        return f"({state})"
+    streams = [e for e in busy if e["stream"] != "dispatcher"] or busy
+    if not streams:
+        return "(nothing running there now)"
+    parts = []
+    for e in streams:
+        what = " ".join(p for p in (e["kind"], f"seq {e['seq']}" if e["seq"] is not None else "") if p)
+        if e["name"]:
+            what += f": {e['name']}"
+        where = "main" if e["stream"] == "0" else ("the dispatcher" if e["stream"] == "dispatcher" else
+                                                  f"stream {e['stream']}")
+        parts.append(f"{what} ({where}, busy {e['for_s']:.0f} s)")
+    return "on " + ", ".join(parts)

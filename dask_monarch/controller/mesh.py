@@ -14,7 +14,6 @@ import math
 import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
-from .task_keys import session_tag
 
 __all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh"]
 
@@ -118,15 +117,15 @@ class DeviceMesh:
     def dashboard_link(self) -> str | None:
         """The URL of this session's view of the ``/monarch`` page on the scheduler's dashboard,
         ``.../monarch?session=<tag>`` (Dask's ``client.dashboard_link``, whose page is ``/status``, with the last path
-        part replaced; the tag is the session's in task keys, ``task_keys.session_tag``), or None if the scheduler
-        has no dashboard. ``/monarch`` alone shows every session of the cluster."""
+        part replaced; the tag names the session everywhere: repr, logs, task keys, ``protocol/session_id.py``), or
+        None if the scheduler has no dashboard. ``/monarch`` alone shows every session of the cluster."""
         try:
             link = self._session.client.dashboard_link
         except (KeyError, AttributeError, TypeError):
             return None
         if not link:
             return None
-        return link.rsplit("/", 1)[0] + f"/monarch?session={session_tag(self._session.id)}"
+        return link.rsplit("/", 1)[0] + f"/monarch?session={self._session.tag}"
 
     @property
     def workers(self) -> dict:
@@ -293,12 +292,17 @@ class DeviceMesh:
         return (Ref, (self._ref.id,))
 
     # ---------------------------------------------------------------------------------------------- lifetime
-    def exit(self, timeout: float = 60.0) -> None:
+    def exit(self, timeout: float | None = None) -> None:
         """End the session (only the mesh returned by ``attach`` may): drain every rank, stop the tensor workers,
-        and close the embedded cluster if ``attach`` started one. Raises the first remote failure nobody fetched
-        (spec §3), or ``SessionError`` (a failure nobody reported, or a rank that failed, left or went silent
-        while draining). If the ranks have not drained within ``timeout`` seconds it raises ``TimeoutError``
-        naming them, and the session still ends on the workers: work still queued there is dropped."""
+        and close the embedded cluster if ``attach`` started one. Work still running on a rank (a long remote
+        function) is waited for as long as its worker keeps its heartbeat, up to ``timeout`` seconds (default: the
+        session's ``exit_timeout``, ``attach(exit_timeout=...)`` or Dask config ``monarch.exit-timeout``, else 600
+        s); after 5 s a WARNING (logger ``dask_monarch.controller``, on stderr by default) says once which rank it
+        waits for and on what. Raises the first remote failure nobody fetched (spec §3), or ``SessionError`` (a
+        failure nobody reported, or a rank that failed, left or went silent while draining: within
+        ``heartbeat_timeout``). If the ranks have not drained within ``timeout`` seconds it raises
+        ``TimeoutError`` naming them and what they were busy on, and the session still ends on the workers: work
+        still queued there is dropped."""
         if not self._owner:
             raise RuntimeError("only the mesh returned by dask_monarch.attach() can exit the session")
         try:
@@ -333,7 +337,7 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in self.sizes.items())
-        return f"DeviceMesh({dims}; ranks={list(self._rank_list)}; session={self._session.id[:8]})"
+        return f"DeviceMesh({dims}; ranks={list(self._rank_list)}; session={self._session.tag})"
 
 
 def _product(values) -> int:

@@ -253,6 +253,8 @@ class Recording:
                 for index, chunk in enumerate(chunks):
                     session.send(DefineRecording(self.ref, len(outputs), len(inputs), chunk, len(chunks), index,
                                                  cuda_graph), ranks)
+        # the /monarch page counts each compiled function's calls by the replays of its recordings
+        session.tell_dashboard("monarch_session_recording", recording=self.ref.id, name=self.name)
 
     @staticmethod
     def _recipes(recorder: Recorder, outputs: list, capture_storages: dict) -> list:

@@ -81,8 +81,8 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         out.check_usable()
         if out.mesh._session is not tmesh._session:
             raise TypeError(
-                f"WRONG_MESH: reduce: out ({out.ref}) belongs to another session ({out.mesh._session.id[:8]}) "
-                f"than the tensor ({tmesh._session.id[:8]})"
+                f"WRONG_MESH: reduce: out ({out.ref}) belongs to another session ({out.mesh._session.tag}) "
+                f"than the tensor ({tmesh._session.tag})"
             )
         if out.mesh._rank_list != tmesh._rank_list:
             raise TypeError("WRONG_MESH: reduce: out is on a different mesh")

@@ -395,8 +395,30 @@ def _with_hint(error: Exception, text: str) -> Exception:
 
 def _wrong_session(what: str, mesh, other) -> TypeError:
     return TypeError(
-        f"WRONG_MESH: {what} belongs to another session ({other._session.id[:8]}) than the mesh it runs on "
+        f"WRONG_MESH: {what} belongs to another session ({other._session.tag}) than the mesh it runs on "
         f"({mesh!r}); a session's tensors and meshes can only be used in that session"
+    )
+
+
+#: how to move an ``nn.Module`` made outside ``mesh.activate()`` onto the mesh, keeping its values: under
+#: ``activate()`` an operation on local tensors alone runs on the mesh, their values sent with it (``dispatch.py``)
+_MOVE_MODULE = ("with mesh.activate(): model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, "
+                "assign=True)")
+
+
+def _local_tensor(local: torch.Tensor) -> TypeError:
+    """The LOCAL_TENSOR error for ``local`` mixed with remote tensors; a module's parameter (``nn.Parameter``,
+    say of an ``nn.Linear`` made before ``activate()``, whose shape alone would not tell) is named as one."""
+    what = f"shape {tuple(local.shape)}, dtype {local.dtype}"
+    if isinstance(local, torch.nn.Parameter):
+        return TypeError(
+            f"LOCAL_TENSOR: a local nn.Parameter ({what}) is mixed with remote tensors: module parameters created "
+            "outside mesh.activate() are local tensors. Create the module under `with mesh.activate():` (its "
+            f"parameters are then made on every rank), or move its values onto the mesh: `{_MOVE_MODULE}`"
+        )
+    return TypeError(
+        f"LOCAL_TENSOR: a local torch.Tensor is mixed with remote tensors ({what}); create it on the mesh (under "
+        "mesh.activate()) instead"
     )
 
 
@@ -420,10 +442,7 @@ def _mesh_of(leaves, default: DeviceMesh | None = None) -> DeviceMesh:
         elif isinstance(x, torch.Tensor) and x.dim() > 0 and local is None:
             local = x
     if local is not None and mesh is not None:
-        raise TypeError(
-            "LOCAL_TENSOR: a local torch.Tensor is mixed with remote tensors (shape "
-            f"{tuple(local.shape)}, dtype {local.dtype}); create it on the mesh (under mesh.activate()) instead"
-        )
+        raise _local_tensor(local)
     if mesh is None:
         mesh = default or get_active_mesh()
     if mesh is None:

@@ -18,7 +18,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 
 import dask
 import torch
@@ -27,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .. import interpreter
 from ..exceptions import RemoteException, SessionError
 from ..protocol import ArgsKwargs, CallFunction, CreateStream, FunctionPath, StreamCreationMode, StreamRef
+from ..protocol.session_id import new_session_id, session_tag
 from ..worker.tensor_worker import SessionParams
 from .answers import Answers
 from .channel import MODES, Channels
@@ -45,6 +45,8 @@ logger = logging.getLogger("dask_monarch.controller")
 
 #: The stream every session creates first (Monarch's ``Stream("main", _default=True)``).
 DEFAULT_STREAM = StreamRef(0)
+#: seconds ``mesh.exit()`` waits for busy ranks by default (Dask config ``monarch.exit-timeout``)
+DEFAULT_EXIT_TIMEOUT = 600.0
 
 
 def _local_ranks(workers: list[str]) -> list[int]:
@@ -78,8 +80,13 @@ class Session(Transport, Bookkeeping, Liveness):
     answer sockets (the fast path, ``sockets.py``), ``"comm"`` through the Dask comm alone, ``False`` for none
     (``ValueError`` for anything else; default: Dask config ``monarch.answer-channel``, else True); ``task_interval`` (seconds) is how long a batch sent on a channel may
     wait before its Dask task is submitted (the batches of a rank in that time travel as one task);
+    ``exit_timeout`` (seconds) bounds ``mesh.exit()``: it waits for work still running on a rank (a long remote
+    function, a step) as long as the rank's worker keeps its heartbeat, up to that long, saying once (a WARNING of
+    logger ``dask_monarch.controller``, on stderr by default) which rank it waits for and on what (default: Dask
+    config ``monarch.exit-timeout``, else 600 s);
     ``record_answers`` keeps every controller message received in ``answers`` (for tests and debugging);
-    ``session_id`` is the id to use (default: a new uuid; attach registers it with the scheduler first). Dask
+    ``session_id`` is the id to use (default: a new one, ``protocol/session_id.py``; attach registers it with the
+    scheduler first). Dask
     config ``monarch.dashboard.stuck-after`` (seconds, default 60) is how long a rank may be busy on one message
     before the ``/monarch`` page flags it and shows its stream threads' stacks (``ValueError`` if not a positive
     number).
@@ -100,12 +107,16 @@ class Session(Transport, Bookkeeping, Liveness):
         heartbeat_timeout: float | None = None,
         answer_channel: bool | None = None,
         task_interval: float = 0.05,
+        exit_timeout: float | None = None,
         record_answers: bool = False,
         session_id: str | None = None,
     ):
         if heartbeat_timeout is None:
             heartbeat_timeout = dask.config.get("monarch.heartbeat-timeout", 30.0)
-        for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval)):
+        if exit_timeout is None:
+            exit_timeout = dask.config.get("monarch.exit-timeout", DEFAULT_EXIT_TIMEOUT)
+        for name, value in (("heartbeat_timeout", heartbeat_timeout), ("liveness_interval", liveness_interval),
+                            ("exit_timeout (Dask config monarch.exit-timeout)", exit_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         for name, value in (("flush_interval", flush_interval), ("task_interval", task_interval)):
@@ -126,7 +137,9 @@ class Session(Transport, Bookkeeping, Liveness):
             )
         if type(max_batch) is not int or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-        self.id = session_id or uuid.uuid4().hex
+        self.id = session_id or new_session_id()
+        #: the 8 letters that name the session everywhere (repr, dashboard link, logs, task keys, threads)
+        self.tag = session_tag(self.id)
         self.client = client
         self.workers = list(workers)
         self.world_size = len(self.workers)
@@ -135,6 +148,7 @@ class Session(Transport, Bookkeeping, Liveness):
         self.task_interval = task_interval
         self.liveness_interval = liveness_interval
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.exit_timeout = float(exit_timeout)
         self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
         self.pin_workers()
         ids = self._worker_ids or {}
@@ -159,9 +173,9 @@ class Session(Transport, Bookkeeping, Liveness):
         self.propagator = Propagator(self.fake_mode)
         #: torch's default dtype on the workers as far as this session set it (fresh Dask workers have float32)
         self.default_dtype = torch.float32
-        self._key = self.id[:8]
+        self._key = self.tag
         self._close_lock = threading.Lock()
-        self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-flush-{self._key}", daemon=True)
+        self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-{self.tag}-flush", daemon=True)
         self._released = False  # the interpreter settings given back (``stop``)
         self._release_lock = threading.Lock()
         interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
@@ -181,6 +195,8 @@ class Session(Transport, Bookkeeping, Liveness):
     CHANNEL_TIMEOUT = 5.0
     #: seconds ``mesh.exit()`` lets the exit tasks finish once every rank said on its channel that it closed
     EXIT_TASK_GRACE = 1.0
+    #: seconds ``mesh.exit()`` waits before it says which rank it waits for (a normal exit takes milliseconds)
+    EXIT_NOTICE_AFTER = 5.0
 
     def check_ok(self) -> None:
         """Raise the session's failure (``SessionError``), or ``SessionError`` if it is closed."""
@@ -219,6 +235,23 @@ class Session(Transport, Bookkeeping, Liveness):
             self._waiters.append((seq, future, on_done))
             self._flush_locked(seq, exit_after=exit_after, kind=kind, tasks=future.tasks)
             return future
+
+    def tell_dashboard(self, handler: str, **kwargs) -> None:
+        """Call the scheduler plugin's ``handler(session_id=self.id, **kwargs)`` (``scheduler/plugin.py``) for the
+        ``/monarch`` page, without waiting for it: nothing happens if the scheduler's dask_monarch has no such
+        handler or the client is closing (the page is a view; the program never waits for it)."""
+        client = self.client
+
+        async def tell():
+            try:
+                await getattr(client.scheduler, handler)(session_id=self.id, **kwargs)
+            except Exception:
+                pass
+
+        try:
+            client.loop.add_callback(tell)
+        except Exception:
+            pass
 
     # ---------------------------------------------------------------------------------------------- failure
     def _fail(self, error: SessionError) -> None:
@@ -280,21 +313,33 @@ class Session(Transport, Bookkeeping, Liveness):
                 self._released = True
                 interpreter.release()
 
+    def _exit_notice(self, seq: int, deadline: float) -> None:
+        """Say once which ranks ``mesh.exit()`` waits for and what they are busy on (``describe_busy``)."""
+        logger.warning("dask_monarch: session %s: mesh.exit() waits for %s; it waits as long as each worker keeps its "
+                       "heartbeat, %s s more at most (exit_timeout)", self._key, self.describe_busy(seq),
+                       f"{max(0.0, deadline - time.monotonic()):.0f}")
+
     def _wait_closed(self, futures: dict, deadline: float) -> None:
         """Wait until every rank has closed the session (threads joined, memory freed), which may be after the
         ``Status`` that the channel brought: its exit task (``futures``: rank -> Dask future) is done, or its
-        worker said so on the channel. Raises ``TimeoutError`` naming the ranks still closing at ``deadline``
-        (``time.monotonic()``)."""
+        worker said so on the channel. A rank whose worker leaves or goes silent meanwhile fails it, as any wait
+        (``check_alive``, every ``liveness_interval``). Raises ``TimeoutError`` naming the ranks still closing at
+        ``deadline`` (``time.monotonic()``)."""
         ended = self.channels.ended if self.channels is not None else set()
+        check = time.monotonic() + self.liveness_interval
         while True:
             late = [r for r, f in futures.items() if r not in ended and not f.done()]
             if not late:
                 break
             if self.failure is not None:
                 raise self.failure
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 names = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
                 raise TimeoutError(f"mesh.exit(): the session did not finish closing on {names} in time")
+            if now >= check:
+                self.check_alive()
+                check = now + self.liveness_interval
             time.sleep(0.002)
         # a rank that said so on the channel still runs its exit task for a moment (it returns once its last answers
         # are acknowledged): let it end, briefly, so that closing an embedded cluster next does not cancel it under
@@ -303,16 +348,19 @@ class Session(Transport, Bookkeeping, Liveness):
         while time.monotonic() < grace and not all(f.done() for f in futures.values()):
             time.sleep(0.002)
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds for their answers,
-        and stop the flusher. Raises the failure nobody fetched with the smallest seq (``RemoteException``; its
-        ``others`` and message list the other unfetched ones, spec §3 "Controller"), the ``SessionError``
-        if the session failed and no fetch reported it (a rank that fails, leaves or goes silent while draining
-        included), or ``TimeoutError`` naming the ranks that did not drain in ``timeout``."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, send ``RequestStatus`` + ``Exit`` to every rank, wait up to ``timeout`` seconds (default
+        ``exit_timeout``) for their answers, and stop the flusher. A rank busy on long work is waited for while its
+        worker keeps its heartbeat; after ``EXIT_NOTICE_AFTER`` seconds a WARNING says once which rank and what.
+        Raises the failure nobody fetched with the smallest seq (``RemoteException``; its ``others`` and message
+        list the other unfetched ones, spec §3 "Controller"), the ``SessionError`` if the session failed and no
+        fetch reported it (a rank that fails, leaves or goes silent while draining included: within
+        ``heartbeat_timeout``), or ``TimeoutError`` naming the ranks that did not drain in ``timeout`` and what
+        they were busy on."""
         with self._close_lock:  # a second exit (another thread) waits for the first, then returns
             if self.closed:
                 return
-            self._close(timeout)
+            self._close(self.exit_timeout if timeout is None else timeout)
 
     def _close(self, timeout: float) -> None:
         during_exit = None
@@ -320,7 +368,8 @@ class Session(Transport, Bookkeeping, Liveness):
         try:
             if self.failure is None:
                 future = self.sync("mesh.exit()", exit_after=True)
-                future.result(timeout=timeout)
+                future._result(timeout, notice=(self.EXIT_NOTICE_AFTER,
+                                                lambda: self._exit_notice(future.status_seq, deadline)))
                 self._wait_closed(future.tasks, deadline)
         except SessionError as e:
             during_exit = e  # a rank failed or went silent while draining: nobody else reports it

@@ -74,7 +74,7 @@ class SocketLink:
         self._lock = threading.Lock()  # writes on the down socket, and the pending acknowledgements
         self._acks: list = []
         self._lost_lock = threading.Lock()
-        key = channels.session.id[:8]
+        key = channels.session.tag
         self.thread = threading.Thread(target=self._read, name=f"monarch-{key}-socket-r{rank}", daemon=True)
         self.thread.start()
 

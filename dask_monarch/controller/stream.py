@@ -55,7 +55,8 @@ class Stream:
                 session.check_ok()
                 ref = session.streams[self] = StreamRef(len(session.streams) + 1)
                 session.send(CreateStream(ref, StreamCreationMode.CreateNewStream))
-                _name_on_dashboard(session, ref, self.name)
+                # the /monarch page's stream backlog column shows it by name (s<id> until this arrives)
+                session.tell_dashboard("monarch_session_stream", stream=ref.id, name=self.name)
             return ref
 
     @contextlib.contextmanager
@@ -79,23 +80,6 @@ class Stream:
             raise TypeError(f"Stream.borrow: mutable must be a bool, got {mutable!r}")
         t.check_usable()
         return Borrow(t, self, mutable)._start()
-
-
-def _name_on_dashboard(session, ref: StreamRef, name: str) -> None:
-    """Tell the scheduler plugin the name of ``ref``, for the ``/monarch`` page's stream backlog column (no wait;
-    the page shows ``s<id>`` until it arrives, or if the scheduler's dask_monarch has no such handler)."""
-    client = session.client
-
-    async def tell():
-        try:
-            await client.scheduler.monarch_session_stream(session_id=session.id, stream=ref.id, name=name)
-        except Exception:
-            pass
-
-    try:
-        client.loop.add_callback(tell)
-    except Exception:
-        pass
 
 
 #: each session's default stream (Monarch's ``Stream("main", _default=True)``)

@@ -7,8 +7,8 @@ ranks (and the same stream, for messages that run on one stream) form a segment 
 by every rank's batch, so a message to every rank is serialized once (``protocol/batch.py``). Each rank's batches
 carry an increasing number; the worker's inbox restores the order that Dask does not keep.
 
-Every batch travels as a pinned Dask task (keys ``monarch-messages-...``; ``monarch-fetch-...``,
-``monarch-status-...``, ``monarch-exit-...`` for a batch that ends with ``RequestStatus``: ``task_keys``). When the
+Every batch travels as a pinned Dask task (keys ``monarch-<session>-messages-...``; ``monarch-<session>-fetch-...``,
+``-status-...``, ``-exit-...`` for a batch that ends with ``RequestStatus``: ``task_keys``). When the
 rank has an answer channel (``channel.py``), the batch is written on it at once, and its task waits up to
 ``task_interval`` seconds, travelling with the rank's other batches of that time as one task (an exit's goes at
 once). The answers come back in numbered chunks of the worker's outbox, on the channel or in the ``sync_batch``
@@ -150,10 +150,10 @@ class Transport:
 
     def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status",
                       tasks: dict | None = None) -> None:
-        """Send what is buffered as one batch per rank (a ``monarch-messages-...`` task). With ``sync_seq``, every
-        rank's batch ends with ``RequestStatus{sync_seq}`` (then ``Exit`` if ``exit_after``), and its task is a
-        ``sync_batch`` task of ``kind`` (``task_keys``), entered in ``tasks`` (rank -> Dask future) once submitted
-        (at once for a rank without a channel, and for an exit)."""
+        """Send what is buffered as one batch per rank (a ``monarch-<session>-messages-...`` task). With ``sync_seq``,
+        every rank's batch ends with ``RequestStatus{sync_seq}`` (then ``Exit`` if ``exit_after``), and its task is
+        a ``sync_batch`` task of ``kind`` (``task_keys``), entered in ``tasks`` (rank -> Dask future) once
+        submitted (at once for a rank without a channel, and for an exit)."""
         items = self._buffer
         self._buffer = []
         self._wake.clear()

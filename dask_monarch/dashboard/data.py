@@ -13,9 +13,11 @@ import math
 
 from ..controller.task_keys import session_tag
 from .health import HEALTH_COLUMNS, RankProgress, session_health
-from .history import SERIES_POINTS, Series
+from .history import LINE_COLUMNS, PALETTE, SERIES_POINTS, Series, WindowRate
+from .progress import Progress
 
-__all__ = ["DashboardData", "NO_SESSION", "format_age", "format_bytes", "mesh_coords", "select", "HISTORIES"]
+__all__ = ["DashboardData", "NO_SESSION", "format_age", "format_bytes", "memory_text", "memory_title", "mesh_coords",
+           "select", "HISTORIES"]
 
 NO_SESSION = (
     "No dask_monarch session is running on this cluster. A session appears here while a controller is attached "
@@ -26,7 +28,7 @@ RANK_COLUMNS = (
     "session", "rank", "coords", "worker", "device", "received", "applied", "queued", "inbox", "streams", "refs",
     "bytes", "bytes_text", "rate", "last_error", "state",
 )
-RATE_COLUMNS = ("xs", "ys", "label", "color", "session")
+RATE_COLUMNS = LINE_COLUMNS
 NOW_COLUMNS = ("session", "rank", "stream", "state", "message", "for_s", "for_text", "flagged")
 ERROR_COLUMNS = ("time", "session", "rank", "seq", "text")
 STACK_KEYS = ("session", "rank", "stream", "title", "text")
@@ -34,8 +36,6 @@ STACK_KEYS = ("session", "rank", "stream", "title", "text")
 HISTORIES = {"rates": ("rate", "mean"), "queued": ("queued", "max"), "held": ("bytes", "max")}
 #: remote errors kept per session (the newest)
 ERRORS_KEPT = 100
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
 
 
 def format_age(seconds: float) -> str:
@@ -55,6 +55,29 @@ def format_bytes(n: int) -> str:
     return f"{n} B"  # unreachable
 
 
+def _on_gpu(device: str) -> bool:
+    return str(device).startswith("cuda")
+
+
+def memory_text(nbytes: int, device: str) -> str:
+    """A rank's memory as the page's table shows it, with what it measures (``worker/metrics.held_bytes``): CUDA
+    memory allocated on a GPU worker (``"1.1 GiB CUDA"``), the sizes of the refs' tensor storages on a CPU one
+    (``"2.0 KiB tensors"``)."""
+    return f"{format_bytes(nbytes)} {'CUDA' if _on_gpu(device) else 'tensors'}"
+
+
+def memory_title(devices) -> str:
+    """The memory plot's title for ranks on ``devices`` (their ``device`` strings): it names what is measured."""
+    gpu = {_on_gpu(d) for d in devices if d}
+    if gpu == {True}:
+        return "CUDA memory allocated on each rank's GPU (torch.cuda.memory_allocated), per rank"
+    if gpu == {False}:
+        return "tensor bytes held by each rank's refs (the sizes of their distinct storages, CPU workers), per rank"
+    if gpu:
+        return "memory per rank: CUDA memory allocated on GPU workers, tensor bytes of the refs on CPU workers"
+    return "memory held, per rank"
+
+
 def mesh_coords(dims: dict, rank: int) -> str:
     """``"host=1, gpu=0"``: the coordinates of ``rank`` in a row-major mesh of ``dims`` (name -> size)."""
     coords = []
@@ -70,11 +93,12 @@ def mesh_coords(dims: dict, rank: int) -> str:
 class _Rank:
     """What the data source keeps of one (session, rank) between heartbeats."""
 
-    __slots__ = ("last", "rate", "series", "progress", "count")
+    __slots__ = ("last", "rate", "window", "series", "progress", "count")
 
     def __init__(self, limit: int):
         self.last = None  # (worker time, received) of the last heartbeat used
-        self.rate = 0.0
+        self.rate = 0.0  # messages received per second over the last RATE_WINDOW seconds
+        self.window = WindowRate()
         self.series = {key: Series(combine, limit) for key, (_, combine) in HISTORIES.items()}
         self.progress = RankProgress()
         self.count = 0  # the rank's count of remote errors, as last reported
@@ -85,8 +109,10 @@ class DashboardData:
     second, queued messages and bytes held (``history`` points each, merged as the session grows old), its
     progress steps, and per session its remote errors (the newest ``ERRORS_KEPT``).
 
-    A rank's rate is the growth of its ``received`` counter between two heartbeats, over the worker's own clock;
-    points are added when a new heartbeat arrives (a repeated snapshot adds nothing). A session's data goes when
+    A rank's rate is the growth of its ``received`` counter over the last ``history.RATE_WINDOW`` seconds of its
+    heartbeats, on the worker's own clock (the table, the health line and the lines show that one figure); points
+    are added when a new heartbeat arrives (a repeated snapshot adds nothing). ``progress`` keeps the sessions'
+    compiled calls per second and reported values (``progress.py``). A session's data goes when
     it leaves the scheduler plugin's table (its ended sessions included).
     """
 
@@ -94,6 +120,7 @@ class DashboardData:
         self.history = history
         self._ranks: dict[tuple, _Rank] = {}  # (session, rank) -> _Rank
         self._errors: dict[str, dict] = {}  # session -> {(rank, seq, time): error row}
+        self.progress = Progress(history)
 
     @property
     def current_rate(self) -> dict:
@@ -102,15 +129,16 @@ class DashboardData:
 
     def update(self, sessions: dict, metrics: dict, now: float) -> dict:
         """``sessions``: session id -> ``{"client", "dims", "workers", "started", "streams"}`` (the scheduler plugin's
-        table; ``streams`` maps stream ids to their names, the default stream 0 being ``main``; an ended session
-        has ``ended``, its end time, and ``reason``, None after a clean exit); ``metrics``: worker address -> that
-        worker's ``metrics["monarch"]`` (or None); ``now``: scheduler time (seconds).
+        table; ``streams`` maps stream ids to their names, the default stream 0 being ``main``; ``recordings`` and
+        ``reports`` feed ``progress.py``; an ended session has ``ended``, its end time, and ``reason``, None after a
+        clean exit); ``metrics``: worker address -> that worker's ``metrics["monarch"]`` (or None); ``now``:
+        scheduler time (seconds).
 
         Returns ``{"running": bool, "shown": bool, "summary": str, "health": [dict], "sessions": columns,
-        "ranks": columns, "now": columns, "stacks": [dict], "errors": columns, "rates" / "queued" / "held":
-        columns}``; columns are dicts of equal-length lists (``SESSION_COLUMNS``, ``RANK_COLUMNS``,
-        ``NOW_COLUMNS``, ``ERROR_COLUMNS``, ``RATE_COLUMNS``), health rows have ``HEALTH_COLUMNS``, stacks
-        ``STACK_KEYS``."""
+        "ranks": columns, "now": columns, "stacks": [dict], "errors": columns, "rates" / "queued" / "held" /
+        "calls" / "reports": columns, "progress": [dict]}``; columns are dicts of equal-length lists
+        (``SESSION_COLUMNS``, ``RANK_COLUMNS``, ``NOW_COLUMNS``, ``ERROR_COLUMNS``, ``RATE_COLUMNS``), health rows
+        have ``HEALTH_COLUMNS``, stacks ``STACK_KEYS``, progress rows ``progress.PROGRESS_KEYS``."""
         session_rows = {c: [] for c in SESSION_COLUMNS}
         rank_rows = {c: [] for c in RANK_COLUMNS}
         now_rows = {c: [] for c in NOW_COLUMNS}
@@ -123,6 +151,7 @@ class DashboardData:
             workers = list(info.get("workers") or [])
             stream_names = {"0": "main", **{str(k): v for k, v in (info.get("streams") or {}).items()}}
             failed_ranks, rank_health, progress = [], [], {}
+            finishing = False
             for rank, address in enumerate(workers):
                 worker = metrics.get(address) or {}
                 snap = (worker.get("sessions") or {}).get(session_id)
@@ -147,7 +176,7 @@ class DashboardData:
                         f"{stream_names.get(str(sid)) or f's{sid}'}: {s['queued']}"
                         for sid, s in sorted(snap["streams"].items(), key=lambda kv: int(kv[0]))
                     ))
-                    rank_rows["bytes_text"].append(format_bytes(snap["bytes"]))
+                    rank_rows["bytes_text"].append(memory_text(snap["bytes"], snap["device"]))
                     error = snap.get("last_error")
                     if snap.get("failure"):
                         rank_rows["last_error"].append(f"session failed: {snap['failure']}")
@@ -160,6 +189,8 @@ class DashboardData:
                         rank_state = "running"
                     if rank_state == "running" and info.get("ended"):
                         rank_state = "ending"  # the scheduler ended it; the worker had not, at its last heartbeat
+                    elif rank_state == "running" and snap.get("exiting"):
+                        rank_state = "finishing"  # mesh.exit() came; the rank still runs what was sent before
                     flagged = self._now(tag, rank, snap, stream_names, now_rows, stacks)
                     self._note_errors(session_id, tag, rank, snap)
                 else:
@@ -181,6 +212,7 @@ class DashboardData:
                     rank_rows["last_error"].append(text)
                 if rank_state in ("failed", "worker gone"):
                     failed_ranks.append(rank)
+                finishing = finishing or rank_state == "finishing"
                 rank_rows["state"].append(rank_state)
                 rank_health.append({
                     "rank": rank, "rate": rate if snap is not None else 0.0, "errors": state.count,
@@ -188,13 +220,14 @@ class DashboardData:
                     "idle": snap is None or (not snap["queued"] and not snap["inbox_batches"] and not any(
                         e["busy"] for e in snap.get("now") or ())),
                 })
+            self.progress.update(session_id, tag, info, {r: (metrics.get(a) or {}) for r, a in enumerate(workers)}, now)
             if info.get("ended"):
                 ended += 1
                 session_state = "failed" if (failed_ranks or info.get("reason")) else "ended"
                 age = f"ran {format_age(info['ended'] - info.get('started', info['ended']))}"
             else:
                 running += 1
-                session_state = "failed" if failed_ranks else "running"
+                session_state = "failed" if failed_ranks else ("finishing" if finishing else "running")
                 age = format_age(now - info.get("started", now))
             if failed_ranks:
                 failed_sessions += 1
@@ -216,6 +249,7 @@ class DashboardData:
             del self._ranks[key]
         for session_id in [s for s in self._errors if s not in sessions]:
             del self._errors[session_id]
+        self.progress.forget(sessions)
         if running:
             n_ranks = sum(len(info.get("workers") or ()) for info in sessions.values() if not info.get("ended"))
             summary = (f"{running} session{'s' if running != 1 else ''}, {n_ranks} rank{'s' if n_ranks != 1 else ''}"
@@ -234,6 +268,7 @@ class DashboardData:
             "now": now_rows,
             "stacks": stacks,
             "errors": self._error_rows(sessions),
+            **self.progress.view(sessions),
             **{name: self._lines(rank_rows, name) for name in HISTORIES},
         }
 
@@ -256,8 +291,9 @@ class DashboardData:
         if snap.get("progress") is not None:
             state.progress.add(now, int(snap["progress"]))
         values = {"queued": snap["queued"], "bytes": snap["bytes"]}
+        rate = state.window.add(worker_time, received)
         if last is not None:
-            state.rate = values["rate"] = max(0, received - last[1]) / (worker_time - last[0])
+            state.rate = values["rate"] = rate
         for name, (field, _) in HISTORIES.items():
             if field in values:
                 state.series[name].add(now, float(values[field]))

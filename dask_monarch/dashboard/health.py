@@ -1,8 +1,8 @@
 """One line per session at the top of the ``/monarch`` page: is it healthy, and which rank is behind (issue 18
 "Health at a glance").
 
-* state: ``running``, ``failed`` (a rank failed, a worker left, or the controller ended it with an error) or
-  ``ended`` (a clean exit);
+* state: ``running``, ``finishing`` (``mesh.exit()`` came and a rank still runs what was sent before it),
+  ``failed`` (a rank failed, a worker left, or the controller ended it with an error) or ``ended`` (a clean exit);
 * the overall message rate (messages received per second, summed over the ranks);
 * the slowest rank and how far behind the fastest it is: ranks compare by ``progress`` (the heartbeat's position
   in the controller's seqs, ``worker/activity.py``); a rank that is idle with nothing queued has caught up and is
@@ -50,7 +50,7 @@ def session_health(tag: str, session_id: str, state: str, reason: str, ranks: li
     known = [r for r in ranks if r["progress"] is not None]
     slowest = fastest = None
     behind_seqs, behind_s = 0, 0.0
-    if known and state == "running":
+    if known and state in ("running", "finishing"):
         fast = max(known, key=lambda r: (r["progress"], -r["rank"]))
         waiting = [r for r in known if not r["idle"]]
         if waiting:
@@ -75,7 +75,7 @@ def health_text(h: dict) -> str:
     error · stuck: rank 1 · 5m 02s``."""
     parts = [f"{h['session']} {h['state']}" + (f" ({h['reason']})" if h["reason"] else ""),
              f"{h['ranks']} rank{'s' if h['ranks'] != 1 else ''}"]
-    if h["state"] == "running":
+    if h["state"] in ("running", "finishing"):
         parts.append(f"{h['rate']:,.1f} msg/s")
         if h["slowest"] is None:
             parts.append("no rank behind")

@@ -9,10 +9,20 @@ for the first 4 minutes, 1 s for the next 4, 2 s for the next 8, ...).
 
 from __future__ import annotations
 
-__all__ = ["Series", "SERIES_POINTS"]
+from collections import deque
+
+__all__ = ["Series", "SERIES_POINTS", "WindowRate", "RATE_WINDOW", "PALETTE", "LINE_COLUMNS"]
 
 #: points kept per series
 SERIES_POINTS = 512
+#: seconds a rate is measured over (issue 25 item 6: a rate from two successive heartbeats jumped between 0 and
+#: about 1,200 messages per second, since batches arrive in bursts)
+RATE_WINDOW = 5.0
+#: the columns of a plot's lines (a Bokeh ``multi_line`` source): one row per line
+LINE_COLUMNS = ("xs", "ys", "label", "color", "session")
+#: line colors, by line
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf")
 
 
 def _mean(values):
@@ -57,3 +67,23 @@ class Series:
 
     def __len__(self) -> int:
         return len(self.points) + (1 if self._pending else 0)
+
+
+class WindowRate:
+    """The rate of a growing counter over the last ``window`` seconds: ``add(t, count)`` returns the counter's growth
+    since the newest sample at least ``window`` seconds older (the oldest one, early on), over the time between; 0
+    with a single sample. A counter that went down (it restarted) counts as no growth."""
+
+    __slots__ = ("window", "samples")
+
+    def __init__(self, window: float = RATE_WINDOW):
+        self.window = window
+        self.samples: deque = deque()
+
+    def add(self, t: float, count: float) -> float:
+        samples = self.samples
+        samples.append((t, count))
+        while len(samples) > 2 and samples[1][0] <= t - self.window:
+            samples.popleft()
+        t0, c0 = samples[0]
+        return max(0.0, (count - c0) / (t - t0)) if t > t0 else 0.0

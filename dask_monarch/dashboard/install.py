@@ -80,6 +80,9 @@ def install_page(scheduler) -> bool:
     dashboard = _dashboard_app(scheduler)
     if dashboard is None:
         return False
+    from . import quiet_logs
+
+    quiet_logs.install()  # a browser tab closed on the page prints no traceback (the scheduler may be the program's)
     from distributed.dashboard.core import BokehApplication
     from distributed.dashboard.scheduler import template_variables
     from tornado.ioloop import IOLoop

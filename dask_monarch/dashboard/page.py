@@ -3,10 +3,13 @@ a component"; issue 18). From the top:
 
 * one health line per session (``health.py``), with links to Dask's own Task Stream, Workers and Profile pages
   and to the session's own view (``/monarch?session=<tag>``, ``mesh.dashboard_link``);
+* the program's progress (``progress.py``): compiled calls per second per compiled function, and the values it
+  reports (``dask_monarch.report``), as a line of text per session and two plots;
 * where each rank is now: per rank and stream (and dispatcher), the message it applies and for how long, STUCK
   past the session's ``monarch.dashboard.stuck-after``; below it the Python stacks of the stuck ranks' busy
   threads, as the workers sampled them;
-* history since each session's start: messages per second, queued messages and bytes held, one line per rank;
+* history since each session's start: messages per second (over ``history.RATE_WINDOW`` seconds), queued
+  messages and memory held (CUDA memory on a GPU worker, the refs' tensor bytes on a CPU one), one line per rank;
 * the sessions and ranks tables, and the sessions' remote errors (time, session, rank, seq, first line).
 
 The page only reads: it has no buttons and serves no control endpoint (the dashboard has no authentication).
@@ -25,7 +28,8 @@ from bokeh.models import (ColumnDataSource, CustomJS, DataTable, DateFormatter, 
 from bokeh.plotting import figure
 
 from .data import (ERROR_COLUMNS, NO_SESSION, NOW_COLUMNS, RANK_COLUMNS, RATE_COLUMNS, SESSION_COLUMNS,
-                   DashboardData, select)
+                   DashboardData, memory_title, select)
+from .history import RATE_WINDOW
 from .install import read_scheduler
 
 __all__ = ["MonarchPage", "monarch_doc", "UPDATE_MS", "DASK_LINKS"]
@@ -38,7 +42,13 @@ _ROW = 28
 _SCROLLBAR = 18
 #: Dask's own pages linked from each session's health line (relative to the page, so a dashboard prefix works)
 DASK_LINKS = (("Task Stream", "individual-task-stream"), ("Workers", "workers"), ("Profile", "profile"))
-_COLORS = {"running": "#2ca02c", "failed": "#d62728", "ended": "#7f7f7f"}
+_COLORS = {"running": "#2ca02c", "finishing": "#ff7f0e", "failed": "#d62728", "ended": "#7f7f7f"}
+#: reported names with a plot of their own (the later ones share the last plot, ``OTHER_REPORTS``)
+REPORT_PLOTS = 6
+OTHER_REPORTS = "other values"
+NO_PROGRESS = ("<i>No compiled calls or reported values yet: a function compiled with <code>dask_monarch.compile"
+               "</code> shows its calls per second here, and <code>dask_monarch.report(loss=...)</code> a line of "
+               "each value.</i>")
 _TAG = re.compile(r"[g-v]{8}")
 
 
@@ -92,6 +102,13 @@ def summary_html(view: dict, session: str | None) -> str:
     return f"Session {html.escape(session)}. {html.escape(view['summary'])}"
 
 
+def progress_html(rows: list) -> str:
+    """The progress rows (``progress.Progress.view``) as HTML, one line per session."""
+    if not rows:
+        return NO_PROGRESS
+    return "".join(f'<div class="monarch-progress-line">{html.escape(r["text"])}</div>' for r in rows)
+
+
 def stacks_html(stacks: list) -> str:
     if not stacks:
         return ("<i>No rank is stuck (busy on one message for longer than the session's "
@@ -117,7 +134,7 @@ class MonarchPage:
         self.now_source = ColumnDataSource({c: [] for c in NOW_COLUMNS}, name="monarch-now-source")
         self.error_source = ColumnDataSource({c: [] for c in ERROR_COLUMNS}, name="monarch-errors-source")
         self.line_sources = {key: ColumnDataSource({c: [] for c in RATE_COLUMNS}, name=f"monarch-{key}-source")
-                             for key in ("rates", "queued", "held")}
+                             for key in ("rates", "queued", "held", "calls")}
         self.rate_source = self.line_sources["rates"]
         count = NumberFormatter(format="0,0")
         self.sessions = _table(self.session_source, "monarch-sessions", [
@@ -142,7 +159,7 @@ class MonarchPage:
             TableColumn(field="inbox", title="inbox batches", width=110),
             TableColumn(field="streams", title="stream backlog", width=140),
             TableColumn(field="refs", title="live refs", formatter=count, width=72),
-            TableColumn(field="bytes_text", title="bytes held", width=80),
+            TableColumn(field="bytes_text", title="memory held", width=110),
             TableColumn(field="rate", title="msgs/s", formatter=NumberFormatter(format="0,0.0"), width=70),
             TableColumn(field="state", title="state", width=70),
             TableColumn(field="last_error", title="last error", width=300),
@@ -163,14 +180,21 @@ class MonarchPage:
             TableColumn(field="text", title="error (first line … last line)", width=700),
         ])
         self.stacks = Div(text=stacks_html([]), name="monarch-stacks", sizing_mode="stretch_width")
-        self.rates = _lines("messages received per second, per rank, since the session's start", "messages / s",
-                            "monarch-rates", self.line_sources["rates"])
+        self.rates = _lines(f"messages received per second (over {RATE_WINDOW:g} s), per rank, since the session's "
+                            "start", "messages / s", "monarch-rates", self.line_sources["rates"])
         self.queued = _lines("messages queued on the streams, per rank", "messages", "monarch-queued",
                              self.line_sources["queued"], self.rates.x_range)
-        self.held = _lines("bytes held (CUDA memory allocated on a GPU worker), per rank", "bytes", "monarch-held",
-                           self.line_sources["held"], self.rates.x_range)
+        self.held = _lines(memory_title(()), "bytes", "monarch-held", self.line_sources["held"], self.rates.x_range)
         self.held.yaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        self.progress = Div(text=NO_PROGRESS, name="monarch-progress", sizing_mode="stretch_width")
+        self.calls = _lines(f"compiled calls per second (over {RATE_WINDOW:g} s; calls finished on every rank), per "
+                            "compiled function", "calls / s", "monarch-calls", self.line_sources["calls"],
+                            self.rates.x_range)
+        # one plot per reported name (a loss and a step count on one axis would flatten the loss), made as they come
+        self.reports = column(name="monarch-reports", sizing_mode="stretch_width")
+        self.report_plots: dict = {}  # name (or OTHER_REPORTS) -> (figure, its source)
         self.tables = column(
+            Div(text="<b>Progress</b>"), self.progress, self.calls, self.reports,
             Div(text="<b>Where each rank is now</b>"), self.now,
             Div(text="<b>Stacks of stuck ranks</b> (sampled on the worker while a rank is stuck)"), self.stacks,
             Div(text="<b>History</b>"), self.rates, self.queued, self.held,
@@ -194,6 +218,7 @@ class MonarchPage:
         view = select(view, self.session)
         summary = summary_html(view, self.session)
         for div, text in ((self.summary, summary), (self.health, health_html(view["health"], self.session)),
+                          (self.progress, progress_html(view["progress"])),
                           (self.stacks, stacks_html(view["stacks"]))):
             if div.text != text:
                 div.text = text
@@ -211,6 +236,36 @@ class MonarchPage:
         for key, source in self.line_sources.items():
             if dict(source.data) != view[key]:
                 source.data = view[key]
+        self._show_reports(view["reports"])
+        title = memory_title(view["ranks"]["device"])  # what the memory line measures on the ranks shown
+        if self.held.title.text != title:
+            self.held.title.text = title
+
+
+    def _show_reports(self, lines: dict) -> None:
+        """A plot per reported name (its lines: one per session), the first ``REPORT_PLOTS - 1`` names that came
+        each on its own, any later ones together on the last."""
+        groups: dict = {}
+        for i, name in enumerate(lines["name"]):
+            key = name if name in groups or len(groups) < REPORT_PLOTS - 1 else OTHER_REPORTS
+            groups.setdefault(key, []).append(i)
+        plots = []
+        for key, rows in groups.items():
+            entry = self.report_plots.get(key)
+            if entry is None:
+                source = ColumnDataSource({c: [] for c in RATE_COLUMNS}, name=f"monarch-report-{key}-source")
+                title = (f"{key}, as the program reports it (dask_monarch.report)" if key != OTHER_REPORTS else
+                         "other values the program reports (dask_monarch.report)")
+                plot = _lines(title, key if key != OTHER_REPORTS else "value", f"monarch-report-{key}", source,
+                              self.rates.x_range)
+                plot.height = 160
+                entry = self.report_plots[key] = (plot, source)
+            data = {c: [lines[c][i] for i in rows] for c in RATE_COLUMNS}
+            if dict(entry[1].data) != data:
+                entry[1].data = data
+            plots.append(entry[0])
+        if list(self.reports.children) != plots:
+            self.reports.children = plots
 
 
 def session_argument(doc) -> str | None:

@@ -8,6 +8,7 @@ from .slice import Slice, SliceError
 from .types import ArgsKwargs, Factory, PickledValue, ProtocolError, Reduction, StreamCreationMode, UniqueId, WorkerError
 from .wire_value import WireValue
 from . import tensor_bytes  # noqa: F401  (importing it fills torch's layout cache: see its docstring)
+from . import torch_values  # noqa: F401  (importing it makes torch's values pickle by name: see its docstring)
 
 __all__ = [
     "ArgsKwargs",

@@ -9,6 +9,7 @@ it attaches (``Client.register_plugin``), so the scheduler must be able to impor
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -26,6 +27,8 @@ logger = logging.getLogger("dask_monarch.scheduler")
 PLUGIN_NAME = "dask-monarch"
 #: ended sessions kept for the dashboard (the newest), with their end time and reason
 ENDED_KEPT = 8
+#: reported values kept per (session, name) until the dashboard's sampler takes them (``session_report``)
+REPORTS_KEPT = 64
 
 
 class MonarchSchedulerPlugin(SchedulerPlugin):
@@ -62,6 +65,8 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 "monarch_session_open": self.session_open,
                 "monarch_session_close": self.session_close,
                 "monarch_session_stream": self.session_stream,
+                "monarch_session_recording": self.session_recording,
+                "monarch_session_report": self.session_report,
                 "monarch_sessions": self.list_sessions,
                 "monarch_worker_ages": self.worker_ages,
             }
@@ -122,6 +127,28 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
         info = self.sessions.get(session_id)
         if info is not None:
             info.setdefault("streams", {})[str(stream)] = str(name)
+
+    def session_recording(self, session_id: str, recording: int, name: str) -> None:
+        """Name recording ``recording`` of a session by its compiled function, for the dashboard's compiled calls
+        per second."""
+        info = self.sessions.get(session_id)
+        if info is not None:
+            info.setdefault("recordings", {})[str(recording)] = str(name)
+
+    def session_report(self, session_id: str, values: dict) -> None:
+        """Values a session's program reported (``dask_monarch.report``: name -> number), stamped with the
+        scheduler's clock; the newest ``REPORTS_KEPT`` per name wait for the dashboard."""
+        info = self.sessions.get(session_id)
+        if info is None:
+            return
+        reports = info.setdefault("reports", {})
+        now = time.time()
+        for name, value in dict(values).items():
+            try:
+                point = (now, float(value))
+            except (TypeError, ValueError):
+                continue
+            reports.setdefault(str(name), collections.deque(maxlen=REPORTS_KEPT)).append(point)
 
     async def session_close(self, session_id: str, reason: str | None = None, owner_left: bool = False) -> int:
         """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank

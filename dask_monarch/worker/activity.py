@@ -83,6 +83,11 @@ def _entry(owner, key: str, count: int, now: float, stuck_after: float) -> dict:
     entry = {"stream": key, "busy": busy, "kind": "", "seq": None, "name": "", "for_s": 0.0, "flagged": False}
     if msg is not None:
         entry["kind"], entry["seq"], entry["name"] = describe(msg)
+    call = getattr(owner, "replay", None)
+    if busy and call is not None and msg is not call:  # an operation of a replay: the call's seq, then the operation
+        kind, _, name = describe(msg)
+        entry["kind"], entry["seq"] = "CallRecording", call.seq
+        entry["name"] = f"recording r{call.recording.ref_id} at {kind}" + (f" {name}" if name else "")
     if busy:
         entry["for_s"] = round(now - since, 2)
         entry["flagged"] = now - since > stuck_after
@@ -92,13 +97,17 @@ def _entry(owner, key: str, count: int, now: float, stuck_after: float) -> dict:
 def observe(tw) -> list[dict]:
     """One entry per stream of ``tw`` (by stream id, ascending) and one for its dispatcher (``"dispatcher"``):
     ``{"stream", "busy", "kind", "seq", "name", "for_s", "flagged"}``; an idle thread shows the last message it
-    applied, ``for_s`` 0."""
+    applied, ``for_s`` 0. A dispatcher that waits in ``Exit`` for its streams (``TensorWorker.exiting``) is never
+    flagged: the streams it waits for are, if they are stuck."""
     now = time.monotonic()
     stuck_after = tw.stuck_after
     entries = []
     for stream_id, stream in sorted(list(tw.streams.items())):
         entries.append(_entry(stream, str(stream_id), stream.applied, now, stuck_after))
-    entries.append(_entry(tw, DISPATCHER, tw.received, now, stuck_after))
+    dispatcher = _entry(tw, DISPATCHER, tw.received, now, stuck_after)
+    if dispatcher["flagged"] and getattr(tw, "exiting", False):
+        dispatcher["flagged"] = False
+    entries.append(dispatcher)
     return entries
 
 

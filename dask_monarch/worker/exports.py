@@ -14,6 +14,7 @@ import threading
 import torch
 
 from .context import current_stream
+from ..protocol.session_id import session_tag
 
 __all__ = ["RawRef", "export", "slot", "take", "release_session"]
 
@@ -87,4 +88,5 @@ def release_session(session_id: str) -> None:
         futures = [_slots.pop(k) for k in keys]
     for future in futures:
         if not future.done():
-            future.set_exception(RuntimeError(f"session {session_id[:8]} ended on this worker before the export"))
+            future.set_exception(RuntimeError(
+                f"session {session_tag(session_id)} ended on this worker before the export"))

@@ -77,7 +77,9 @@ def session_snapshot(tw, with_stacks: bool = True) -> dict:
     """The numbers of one ``TensorWorker`` (one rank of one session). ``now``: what each stream and the
     dispatcher is applying and for how long (``activity.observe``); ``progress``: the rank's position in seqs
     (``activity.progress``); ``stacks``: its busy threads' Python stacks while one is flagged, else ``{}``
-    (``activity.stacks``; left out when ``with_stacks`` is false); ``recent_errors``: the newest root failures as
+    (``activity.stacks``; left out when ``with_stacks`` is false); ``exiting``: the session is ending here and waits
+    for its streams to finish (``TensorWorker.exiting``); ``recordings``: per recording (ref id), the replays that
+    ran to their end (the dashboard's compiled calls per second); ``recent_errors``: the newest root failures as
     ``{"time": wall clock s, "seq", "text": summary}``."""
     streams = {}
     applied = queued = refs = 0
@@ -106,10 +108,12 @@ def session_snapshot(tw, with_stacks: bool = True) -> dict:
         "errors": tw.errors,
         "last_error": None if last is None else {"seq": last[0], "text": summary(last[1])},
         "failure": summary(tw.failure),
+        "exiting": tw.exiting,
         "now": now,
         "progress": activity.progress(tw, now),
         "stacks": activity.stacks(tw, now) if with_stacks else {},
         "recent_errors": [{"time": t, "seq": seq, "text": summary(text)} for t, seq, text in _copy(tw.recent_errors)],
+        "recordings": {str(rid): r.replayed for rid, r in _copy(tw.recordings.complete.items())},
     }
 
 

@@ -5,9 +5,9 @@ The controller sends each worker its messages as pinned Dask tasks, each carryin
 has an answer channel to the worker (``worker/channel.py``, whose handler this plugin adds), the batches sent on
 the channel meanwhile:
 
-* ``deliver_batch`` / ``deliver_batches`` (key ``monarch-messages-...``, ``async``): hands its batches to the
+* ``deliver_batch`` / ``deliver_batches`` (key ``monarch-<session>-messages-...``, ``async``): hands its batches to the
   session's inbox (which ignores a batch it already has) and returns.
-* ``sync_batch`` / ``sync_batches`` (keys ``monarch-fetch-...``, ``monarch-status-...``, ``monarch-exit-...``):
+* ``sync_batch`` / ``sync_batches`` (keys ``monarch-<session>-fetch-...``, ``-status-...``, ``-exit-...``):
   hands its batches over (the last ends with ``RequestStatus{seq}``), secedes from the worker's thread pool so it
   never blocks other tasks, waits for ``Status{seq + 1}``, and returns the outbox's chunks that the channel did
   not deliver (``Outbox.for_task``: ``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ``SessionFailed``,
@@ -24,7 +24,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
-from . import prometheus
+from ..protocol.session_id import session_tag
+from . import activity, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
 from .tensor_worker import SessionParams, TensorWorker
@@ -94,7 +95,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             tw.fail(reason, owner_left=owner_left)
             tw.close(join_timeout=1.0)
 
-        threading.Thread(target=end, name=f"monarch-{session_id[:8]}-end", daemon=True).start()
+        threading.Thread(target=end, name=f"monarch-{session_tag(session_id)}-end", daemon=True).start()
 
     def teardown(self, worker) -> None:
         if worker.metrics.get(METRICS_KEY) == self.metrics:
@@ -153,8 +154,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
 
 def session_state(session_id: str, dask_worker=None) -> dict:
-    """What this worker knows of a session, for diagnosing a wait that ran out of time (run with
-    ``Client.run``): the inbox position, per-stream queues, the last status, the failure."""
+    """What this worker knows of a session, for diagnosing a wait that ran out of time or takes long (run with
+    ``Client.run``): the inbox position, per-stream queues, the last status, the failure, whether it is ending
+    here (``exiting``) and what its busy threads apply (``busy``: ``activity.observe``'s entries of the busy ones,
+    ``{"stream", "kind", "seq", "name", "for_s", ...}``)."""
     plugin = (dask_worker or get_worker()).plugins.get(PLUGIN_NAME)
     tw = plugin.sessions.get(session_id) if plugin is not None else None
     if tw is None:
@@ -167,6 +170,8 @@ def session_state(session_id: str, dask_worker=None) -> dict:
         "status_seq": tw.completed_seq,
         "streams": {sid: {"queued_batches": s.backlog(), "applied": s.applied} for sid, s in tw.streams.items()},
         "failure": tw.failure,
+        "exiting": tw.exiting,
+        "busy": [e for e in activity.observe(tw) if e["busy"]],
     }
 
 

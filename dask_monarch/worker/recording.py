@@ -83,6 +83,9 @@ class Recording:
         self.nresults = nresults
         self.nformals = nformals
         self.cuda_graph = cuda_graph  # replayed as CUDA graphs on GPU workers (worker/graphs.py)
+        #: replays run to their end on the recording's first stream (the dashboard's compiled calls per second)
+        self.replayed = 0
+        self._first = min(programs) if programs else None
 
     def __repr__(self) -> str:
         steps = sum(len(p.steps) for p in self.programs.values())
@@ -108,10 +111,17 @@ class ReplayCall:
     def run(self, stream) -> None:
         """On ``stream``'s thread, in its order: replay this stream's part (``worker/replay.py``), through a CUDA
         graph if the recording asks for one (``worker/graphs.py``)."""
-        if self.recording.cuda_graph:
-            replay_graph(stream, self, replay)
-        else:
-            replay(stream, self)
+        recording = self.recording
+        stream.replay = self  # the dashboard shows the operations it runs as this call's (worker/activity.py)
+        try:
+            if recording.cuda_graph:
+                replay_graph(stream, self, replay)
+            else:
+                replay(stream, self)
+        finally:
+            stream.replay = None
+        if stream.ref.id == recording._first:
+            recording.replayed += 1
 
     def root_error(self, stream, index: int | None, text: str) -> SeqError:
         """A root failure of operation ``index`` of the recording on ``stream``: the error its results take, and

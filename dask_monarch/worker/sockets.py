@@ -30,6 +30,7 @@ import threading
 import time
 
 from ..protocol.frames import ACCEPTED, DOWN, TOKEN_BYTES, UP, recv_exact, recv_frame, send_frame, shutdown
+from ..protocol.session_id import session_tag
 from .gloo import LISTENING
 
 __all__ = ["SocketEnd", "ACCEPT_TIMEOUT", "SEND_TIMEOUT"]
@@ -64,7 +65,8 @@ class SocketEnd:
         self._broken = False  # no write on the up socket any more
         self._closing = False
         self._may_attach = threading.Event()  # the comm channel is attached: this one may take over (``attach``)
-        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_id[:8]}-socket-r{rank}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_tag(session_id)}-socket-r{rank}",
+                                       daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------------------------------- the thread

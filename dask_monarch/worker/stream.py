@@ -37,6 +37,7 @@ from ..protocol import (
 )
 from ..protocol.batch import STREAM_MESSAGES
 from ..protocol.function import TEST_PANIC
+from ..protocol.session_id import session_tag
 from .borrow import BorrowStep, SessionOver
 from .device import pin
 from .errors import DependentError, FatalError, SeqError, ValueFailure
@@ -156,8 +157,9 @@ class StreamWorker(ReduceHandler):
         #: clock and no lock (``DeleteRefs`` leaves it alone: it has no seq and never waits)
         self.current = None
         self.busy = False
+        self.replay = None  # the ReplayCall running on this thread, whose operations set ``current`` (activity.py)
         self.thread = threading.Thread(
-            target=self._run, name=f"monarch-{tensor_worker.session_id[:8]}-stream{ref.id}", daemon=True
+            target=self._run, name=f"monarch-{session_tag(tensor_worker.session_id)}-stream{ref.id}", daemon=True
         )
         self.thread.start()
 

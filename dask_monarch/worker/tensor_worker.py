@@ -53,6 +53,7 @@ from ..protocol import (
     StreamRef,
     WorkerError,
 )
+from ..protocol.session_id import session_tag
 from .actors import ActorCallStep
 from .borrow import Borrow, BorrowStep
 from .comm import Comms
@@ -115,7 +116,7 @@ class TensorWorker(CommHandlers):
         self.rank = rank
         self.world_size = world_size
         address = getattr(worker, "address", "local")
-        self.actor_id = f"{address}/{session_id[:8]}/rank{rank}"
+        self.actor_id = f"{address}/{session_tag(session_id)}/rank{rank}"
         self.device = select_device(int(options.get("local_rank", 0)))
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
@@ -175,7 +176,8 @@ class TensorWorker(CommHandlers):
             SetRefUnitTestsOnly: self.set_ref_unit_tests_only,
             GetRefUnitTestsOnly: self.get_ref_unit_tests_only,
         }
-        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_id[:8]}-dispatch", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"monarch-{session_tag(session_id)}-dispatch",
+                                       daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------------------------------------- dispatcher loop
@@ -289,12 +291,16 @@ class TensorWorker(CommHandlers):
         self.comms.abort(f"the session failed on rank {self.rank}: {text[:500]}")
         self.inbox.close()
 
-    def close(self, join_timeout: float = 10.0) -> None:
+    def close(self, join_timeout: float | None = 10.0) -> None:
         """Stop every stream (after what is queued), release comms, and forget the session. Idempotent.
+
+        ``join_timeout`` (seconds) bounds the wait for each stream to run what is queued; None (a clean ``Exit``)
+        waits as long as the session has not failed: the controller bounds that wait (``exit_timeout``) and, past
+        it, ends the session through the scheduler (``fail``), after which a stream gets one more second.
 
         Everything the session held here is let go now, not at the next run of Python's cyclic garbage collector:
         each stream's thread drops its ref table as it ends (``StreamWorker._release``; a stream still running a
-        function after ``join_timeout`` seconds drops it when that returns), the process groups are released
+        function after the join drops it when that returns), the process groups are released
         (aborted if the session failed), and the tables that tie the tensor worker to its streams, meshes and
         borrows are emptied. On a GPU worker a clean end also hands the caching allocator's free blocks back to
         the device (``torch.cuda.empty_cache``)."""
@@ -308,7 +314,7 @@ class TensorWorker(CommHandlers):
         if self.failure is not None:
             self.comms.abort()  # first: a stream blocked in a collective or a transfer with a lost peer errors out now
         for stream in streams:
-            stream.thread.join(join_timeout)
+            self._join(stream.thread, join_timeout)
         if self.failure is None:
             self.comms.shutdown()
         self.process_groups.close()  # out of torch.distributed's tables too
@@ -338,6 +344,20 @@ class TensorWorker(CommHandlers):
         self.outbox.closed()
         if self._on_close is not None:
             self._on_close(self.session_id, self.failure)
+
+    def _join(self, thread: threading.Thread, timeout: float | None) -> None:
+        """Join a stream's thread within ``timeout`` seconds; None: while the session has not failed, then 1 s."""
+        if timeout is None:
+            while thread.is_alive() and self.failure is None:
+                thread.join(0.25)
+            timeout = 1.0
+        thread.join(timeout)
+
+    @property
+    def exiting(self) -> bool:
+        """Whether the session is ending here and waits for its streams to finish what was queued (after a clean
+        ``Exit``: the dashboard's "finishing")."""
+        return self._closing and not self.closed and self.failure is None
 
     # ------------------------------------------------------------------------------------------------ handlers
     def call_function(self, msg: CallFunction) -> None:
@@ -437,14 +457,15 @@ class TensorWorker(CommHandlers):
             stream.enqueue(barrier)
 
     def exit(self, msg: Exit) -> None:
-        """Drain and stop every stream and end the session on this worker; the Dask worker lives on. With an
+        """Drain and stop every stream and end the session on this worker; the Dask worker lives on. A stream busy
+        on a long function is waited for (the controller waits for its ``Status``, up to its ``exit_timeout``). With an
         error (a peer or the controller failed) the session fails here instead: queued work is dropped, and the
         communicators are released first, so that a stream blocked in a collective with a lost peer errors out
         now instead of at the collective's timeout."""
         if msg.error is not None:
             self.fail(f"the controller ended the session: {msg.error[1]}")
         self.flush_streams()
-        self.close(join_timeout=10.0 if msg.error is None else 1.0)
+        self.close(join_timeout=None if msg.error is None else 1.0)  # a clean exit waits for busy streams
 
     def define_recording(self, msg: DefineRecording) -> None:
         """A chunk of recording ``msg.result``; with the last one, its commands become one prepared program per
