@@ -125,3 +125,20 @@ def test_a_busy_rank_that_stops_during_exit_fails_it_within_the_heartbeat_bound(
         assert time.monotonic() - start < 30
     finally:
         os.kill(victim_pid, signal.SIGCONT)
+
+
+def test_leaving_the_block_on_an_exception_waits_for_busy_work_only_briefly(client2, monkeypatch):
+    """The program's own error (an exception, Ctrl-C) leaves ``with mesh:`` after at most the short bound
+    (``EXIT_ON_ERROR_TIMEOUT``), not ``exit_timeout``: the exception propagates and the session still ends there."""
+    monkeypatch.setattr(dm.DeviceMesh, "EXIT_ON_ERROR_TIMEOUT", 2.0)
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60, exit_timeout=300)
+    sid = mesh.session_id
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="the program's own error"):
+        with mesh:
+            with mesh.activate():
+                dm.remote(sleep_on_rank_one, propagate="inspect")(mesh, 20)
+            raise KeyError("the program's own error")
+    assert time.monotonic() - start < 15
+    assert wait_until(lambda: "open" not in ended_on_workers(client2, sid).values(), 10), \
+        ended_on_workers(client2, sid)

@@ -320,6 +320,9 @@ class DeviceMesh:
         self.__dict__.setdefault("_as_current", []).append(as_current)
         return self
 
+    #: seconds leaving the ``with`` block on an exception waits for work still running on a rank (``exit``'s bound)
+    EXIT_ON_ERROR_TIMEOUT = 30.0
+
     def __exit__(self, exc_type, exc, tb) -> None:
         stack = self.__dict__.get("_as_current")
         if stack:
@@ -329,9 +332,9 @@ class DeviceMesh:
                 pass
         if exc_type is None:
             self.exit()
-        else:
+        else:  # the block raised (Ctrl-C too): the program's error matters, not work still running on a rank
             try:
-                self.exit()
+                self.exit(timeout=min(self._session.exit_timeout, self.EXIT_ON_ERROR_TIMEOUT))
             except Exception:
                 pass
 
