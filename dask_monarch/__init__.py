@@ -28,6 +28,9 @@ from .controller import (
     fetch_shard,
     get_active_mesh,
     get_active_stream,
+    grad_function,
+    grad_generator,
+    gradient_execution_order,
     inspect,
     main_stream,
     no_mesh,
@@ -39,6 +42,7 @@ from .controller import (
 )
 from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
+from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 
 
 def dask_setup(server) -> None:
@@ -78,6 +82,9 @@ __all__ = [
     "from_dask",
     "get_active_mesh",
     "get_active_stream",
+    "grad_function",
+    "grad_generator",
+    "gradient_execution_order",
     "inspect",
     "iter_from_dask",
     "main_stream",

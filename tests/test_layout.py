@@ -23,7 +23,7 @@ ORDER = [
     "process_group",
     "mesh",
     # the frontend
-    "tensor", "stream", "remote", "dispatch", "reduce", "to_mesh", "fetch", "actors", "recording", "compile",
+    "tensor", "stream", "remote", "dispatch", "reduce", "to_mesh", "fetch", "actors", "recording", "compile", "gradients",
     # the public entry points
     "attach", "__init__",
 ]

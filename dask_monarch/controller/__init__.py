@@ -10,6 +10,7 @@ from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers wit
 from .coalescing import coalescing
 from .compile import compile
 from .fetch import fetch_shard, inspect
+from .gradients import grad_function, grad_generator, gradient_execution_order
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .process_group import RemoteProcessGroup
 from .reduce import reduce, reduce_
@@ -38,6 +39,9 @@ __all__ = [
     "fetch_shard",
     "get_active_mesh",
     "get_active_stream",
+    "grad_function",
+    "grad_generator",
+    "gradient_execution_order",
     "inspect",
     "main_stream",
     "no_mesh",
