@@ -9,7 +9,8 @@ from .actors import ActorMesh, Endpoint, as_endpoint, endpoint
 from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
-from .fetch import fetch_shard, inspect
+from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
+from . import cached_propagation  # noqa: F401 (remote learns outputs on the mesh: registers with mesh.Frontend)
 from .gradients import grad_function, grad_generator, gradient_execution_order
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .process_group import RemoteProcessGroup
@@ -17,6 +18,7 @@ from .reduce import reduce, reduce_
 from .remote import remote
 from .session import MonarchFuture, Session
 from .stream import Borrow, Stream, get_active_stream, main_stream
+from .value_mesh import ValueMesh
 from .tensor import Tensor
 from .to_mesh import MeshSliceTensor, slice_mesh, to_mesh
 
@@ -33,7 +35,9 @@ __all__ = [
     "Session",
     "Stream",
     "Tensor",
+    "ValueMesh",
     "attach",
+    "call_on_shard_and_fetch",
     "coalescing",
     "compile",
     "fetch_shard",

@@ -8,8 +8,8 @@ test_tensor_engine.py; DESIGN.md "Decisions": actors are Dask actors living on t
 method runs on each rank's stream thread in the stream's order with the tensor messages around it, and sees each
 rank's local tensors where the call passed remote ones:
 
-* ``call(*args, **kwargs)``: ``SendResultOfActorCall`` to every rank; a ``MonarchFuture`` of the per-rank list of
-  results (tensors as CPU copies), in the mesh's rank order;
+* ``call(*args, **kwargs)``: ``SendResultOfActorCall`` to every rank; a ``MonarchFuture`` of a ``ValueMesh`` of
+  the ranks' results (tensors as CPU copies; Monarch's: ``.item(dp=1)``, ``(point, value)`` pairs in rank order);
 * ``call_one(*args, **kwargs)``: the same on one rank, chosen by keywords that name mesh dimensions (``dp=1``; the
   others go to the method), or the only rank of a one-rank mesh; a future of that rank's result;
 * ``choose(*args, **kwargs)``: ``call_one`` on the mesh's first rank;
@@ -36,17 +36,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch
 
-from ..exceptions import RemoteException, SessionError
+from ..exceptions import SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
 from ..worker.actors import construct
 from .coalescing import refuse_wait
-from .fetch import _rank_of
+from .fetch import _rank_of, collect
 from .local import propagating
 from .mesh import DeviceMesh, frontend
 from .remote import _mesh_of, _with_hint, function_of, pack_leaves, remote_outputs
 from .stream import check_access, get_active_stream
 from .task_keys import session_tag
 from .tensor import Tensor
+from .value_mesh import ValueMesh
 
 __all__ = ["ActorMesh", "Endpoint", "as_endpoint", "endpoint", "spawn"]
 
@@ -253,8 +254,9 @@ class Endpoint:
         return f"{self._actors.cls.__qualname__}.{self._method} (actor)"
 
     def call(self, *args, **kwargs):
-        """Run the method on every rank; a ``MonarchFuture`` whose ``result(timeout=None)`` is the list of every
-        rank's return value (tensors as CPU copies), in the mesh's rank order. It raises ``RemoteException`` if the
+        """Run the method on every rank; a ``MonarchFuture`` whose ``result(timeout=None)`` (or ``get()``) is a
+        ``ValueMesh`` of every rank's return value (tensors as CPU copies): ``.item(dp=1)``, ``.values()`` in the
+        mesh's rank order, ``(point, value)`` pairs when iterated (Monarch's). It raises ``RemoteException`` if the
         method raised on a rank (or an input depends on a failure), ``SessionError`` if the session failed."""
         return self._ask(self._actors.mesh._rank_list, args, kwargs, one=False)
 
@@ -300,28 +302,12 @@ class Endpoint:
     def _ask(self, ranks: tuple, args, kwargs, one: bool):
         refuse_wait(f"{self._what}.call")  # before sending: a refused call leaves nothing in the coalescing block
         seq, session, refs = self._send(args, kwargs, SendResultOfActorCall, outputs=False, ranks=ranks)
-        workers = session.workers
+        mesh = self._actors.mesh
         what = self._what
 
         def value():
-            answers = session.take_fetch_results(seq)
-            error = session.history.error_of(refs)
-            if error is not None:
-                session.history.consumed(error)
-                raise error
-            values = []
-            for rank in ranks:
-                answer = answers.get(rank)
-                if answer is None:
-                    raise RuntimeError(f"{what}: rank {rank} answered Status but no FetchResult for seq {seq}")
-                if answer.error is not None:
-                    for error in list(session.history.unconsumed.values()):
-                        if getattr(error, "seq", None) == seq:
-                            session.history.consumed(error)
-                            raise error
-                    raise RemoteException(seq, rank, workers[rank], answer.error.backtrace, what)
-                values.append(answer.value)
-            return values[0] if one else values
+            values = collect(session, seq, ranks, refs, what)
+            return values[0] if one else ValueMesh(mesh.names, mesh.processes.sizes, values)
 
         return session.sync(f"{what} (seq {seq}) on {len(ranks)} rank(s)", on_done=value, kind="fetch")
 
