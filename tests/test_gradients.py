@@ -80,6 +80,52 @@ def test_each_gradient_is_reduced_before_backward_computes_the_next(mesh):
         assert torch.allclose(got, (a + b) / 2, atol=1e-6)
 
 
+def _dp_step(model, optimizer, overlap: bool):
+    """One data-parallel SGD step: backward then ``reduce_`` of every gradient, or (``overlap``) Monarch's pattern,
+    each gradient reduced as ``grad_generator`` yields it."""
+    params = list(model.parameters())
+
+    def step(xb, yb):
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        optimizer.zero_grad()
+        if overlap:
+            wrt = [params[i] for i in gradient_execution_order(loss, params)]
+            for p, g in zip(wrt, dm.grad_generator(loss, wrt)):
+                p.grad = g.reduce("dp", "avg")
+        else:
+            loss.backward()
+            dm.reduce_([p.grad for p in params], "dp", "avg")
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def test_the_overlapped_step_eager_and_compiled_equals_backward_then_reduce(mesh):
+    with mesh.activate():
+        dm.remote(torch.manual_seed, propagate="inspect")(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+                  for _ in range(3)]
+        with torch.no_grad():
+            for first, *others in zip(*(m.parameters() for m in models)):
+                for p in others:
+                    p.copy_(first)
+        steps = [_dp_step(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), overlap)
+                 for m, overlap in zip(models, (False, True, True))]
+        steps[2] = dm.compile(steps[2], warmup=1)
+        x = torch.randn(32, 8) + mesh.rank("dp")
+        y = torch.randint(0, 4, (32,))
+        start = [p.detach().clone() for p in models[0].parameters()]
+        for i in range(4):
+            for step in steps:
+                step(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+        assert steps[2].recordings == 2  # recorded, verified, then replayed
+    for dp in (0, 1):
+        plain, overlapped, compiled, before = fetch([list(m.parameters()) for m in models] + [start], dp=dp)
+        for a, b, c, s in zip(plain, overlapped, compiled, before):
+            assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, s)
+
+
 def test_the_gradient_of_an_intermediate_and_of_a_root_given_its_gradient(mesh):
     with mesh.activate():
         x = (torch.arange(6.0).reshape(2, 3) + mesh.rank("dp")).requires_grad_()
