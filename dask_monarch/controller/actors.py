@@ -43,7 +43,7 @@ from .coalescing import refuse_wait
 from .fetch import _rank_of, collect
 from .local import propagating
 from .mesh import DeviceMesh, frontend
-from .remote import _mesh_of, _with_hint, function_of, pack_leaves, remote_outputs
+from .remote import _mesh_of, _with_hint, function_of, remote_outputs, sendable
 from .stream import check_access, get_active_stream
 from .task_keys import session_tag
 from .tensor import Tensor
@@ -323,14 +323,7 @@ class Endpoint:
             raise TypeError(f"WRONG_MESH: {self._what} runs on {actors.mesh!r}, but its tensors are on {mesh!r}")
         if session.recording() is not None:
             raise RuntimeError(f"{self._what} inside a compiled function: actor calls cannot be recorded")
-        inputs = [x for x in leaves if isinstance(x, Tensor)]
-        for x in leaves:
-            if isinstance(x, Tensor):
-                x.check_usable()  # TypeError DROPPED
-            elif isinstance(x, DeviceMesh):
-                x.define_remotely()
-        packed = pack_leaves(leaves, self._what)
-        sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
+        inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, self._what)
         declared = self._declared_writes(args, kwargs)
         stream = get_active_stream()
         with session.lock:

@@ -18,7 +18,7 @@ from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
 from .mesh import DeviceMesh, frontend
 from .process_group import RemoteProcessGroup
-from .remote import Remote, _mesh_of, pack_leaves, remote
+from .remote import Remote, _mesh_of, pack_leaves, remote, sendable
 from .future import MonarchFuture
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
@@ -168,16 +168,9 @@ def fetch_call(fn: Remote, args: tuple, kwargs: dict, shard: dict | None, every:
         if not isinstance(shard, dict):
             raise TypeError(f"call_on_shard_and_fetch: shard must be a dict of dimension -> coordinate, got {shard!r}")
         ranks = (_rank_of(mesh, shard),)
-    inputs = [x for x in leaves if isinstance(x, Tensor)]
-    for x in leaves:
-        if isinstance(x, Tensor):
-            x.check_usable()  # TypeError DROPPED
-        elif isinstance(x, DeviceMesh):
-            x.define_remotely()
     refuse_wait(f"{name} fetched from {len(ranks)} rank(s)")  # before anything is sent
+    inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, name)
     written = fn.writes(args, kwargs)
-    packed = pack_leaves(leaves, name)
-    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
     session = mesh._session
     stream = get_active_stream()
     with session.lock:

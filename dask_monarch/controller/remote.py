@@ -33,7 +33,7 @@ from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
 __all__ = ["remote", "Remote", "LearnOnMesh", "call_on_mesh", "function_of", "pack_leaves", "propagate_failed",
-           "user_line", "written_tensors"]
+           "sendable", "user_line", "written_tensors"]
 
 #: argument leaves that travel as they are in the batch; any other leaf is pickled at the call (``PickledValue``)
 _WIRE_SAFE = frozenset((
@@ -59,6 +59,22 @@ def pack_leaves(leaves: list, where: str) -> list | None:
         with propagating():  # pickling a local value (a local tensor, say) is local work, not mesh ops
             packed[i] = PickledValue.of(x, where)
     return packed
+
+
+def sendable(leaves: list, spec, args: tuple, kwargs: dict, where: str) -> tuple:
+    """``(remote tensor arguments, args, kwargs as sent)`` of a call whose flattened arguments are ``leaves``
+    (``spec``): each remote tensor checked (``TypeError`` DROPPED), each mesh defined on the workers, the other
+    values pickled now (``pack_leaves``, naming ``where``)."""
+    inputs = []
+    for x in leaves:
+        if isinstance(x, Tensor):
+            x.check_usable()
+            inputs.append(x)
+        elif isinstance(x, DeviceMesh):
+            x.define_remotely()
+    packed = pack_leaves(leaves, where)
+    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
+    return inputs, sent_args, sent_kwargs
 
 
 def _worker_view(x):
@@ -264,15 +280,8 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool)
     leaves, spec = tree_flatten((args, kwargs))
     mesh = _mesh_of(leaves, mesh)
     session = mesh._session
-    packed = pack_leaves(leaves, name)
-    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
-    inputs = [x for x in leaves if isinstance(x, Tensor)]
+    inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, name)
     groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-    for x in leaves:
-        if isinstance(x, Tensor):
-            x.check_usable()
-        elif isinstance(x, DeviceMesh):
-            x.define_remotely()
     fake_args, fake_kwargs = tree_unflatten(_fakes(leaves, session), spec)
     writes = written_tensors(op, args, kwargs) if op is not None else ()
     written_inputs = [i for i, t in enumerate(inputs) if any(t is w for w in writes)]
