@@ -49,8 +49,15 @@ _NOT_ON_FAKES = (DataDependentOutputException, DynamicOutputShapeException, Unsu
 
 
 def _reason(failure: Exception) -> str:
+    """Why fake tensors could not run the function, in the user's terms."""
     if isinstance(failure, LearnOnMesh):
         return str(failure)
+    if isinstance(failure, DataDependentOutputException):
+        if "_local_scalar_dense" in str(failure):
+            return "on fake tensors it reads a tensor's value: .item(), int(t), bool(t), an if on a tensor"
+        return f"on fake tensors: {failure.func}'s result depends on the values"
+    if isinstance(failure, DynamicOutputShapeException):
+        return f"on fake tensors: the shape of {failure.func}'s output depends on the values"
     return f"on fake tensors it raised {type(failure).__name__}: {failure}"
 
 

@@ -16,9 +16,13 @@ the gradients earlier stages left at the stage's border) and the gradients leavi
 Every node runs once, with all its inputs, in torch's engine (hooks, custom ``Function`` s and shape checks as in
 ``torch.autograd.grad``), so the values are those of ``torch.autograd.grad``; a gradient that reaches a buffer from
 two stages is the sum of the two parts, which may differ from autograd's own order of additions in the last bits.
-A stage is widened until torch's engine runs exactly it (a node that feeds a buffer the stage must hand on joins
-the stage, with its ancestors). Monarch's C++ generator also splits a node that feeds two stages (``mm``'s weight
-and input gradients), which torch's Python API cannot; here such a node runs whole in the first stage that needs it.
+
+Two differences from Monarch's C++ generator, which drives autograd's nodes itself: (1) it splits a node that feeds
+two stages (``mm``'s weight and input gradients), which torch's Python API cannot: here such a node runs whole in
+the first stage that needs it; (2) torch's engine runs every node between what a call is given and what it captures,
+so where a gradient reaches a node by two paths (a residual connection ``h + f(h)``), the stage that hands on the
+first part also runs the other path down to that node: a residual block's gradients come in one stage, one after
+the other, not layer by layer. A stage is widened until torch's engine runs exactly it (``_run_stage``).
 
 Each stage runs with the roots' mesh and stream active (Monarch restores the mesh and stream of the forward pass; an
 autograd graph here cannot cross meshes or streams: ``to_mesh`` refuses tensors that require grad). Saved tensors

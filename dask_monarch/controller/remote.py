@@ -154,7 +154,7 @@ class Remote:
         """The remote tensors among the arguments that ``propagate`` (a callable) writes, run on fake tensors; [] for
         no ``propagate`` (Monarch's fetch propagation assumes no writes then). A ``propagate`` that raises raises
         here, with its source line."""
-        if not callable(self._propagate) or self._propagate == "inspect":
+        if not callable(self._propagate):
             return []
         leaves, spec = tree_flatten((args, kwargs))
         inputs = [x for x in leaves if isinstance(x, Tensor)]
