@@ -1,4 +1,4 @@
-"""Reliability figures for the README (issue 12): what a session leaves on the workers, and how long faults take
+"""Reliability figures of docs/benchmarks.md (issue 12): what a session leaves on the workers, and how long faults take
 to become errors. Starts its own cluster with the command lines (``dask scheduler`` and two ``dask worker``
 processes with nannies, ``--nthreads 1``), as an outside tester would.
 

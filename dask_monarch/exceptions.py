@@ -11,7 +11,7 @@ class RemoteException(Exception):
 
     Attributes: ``seq`` (the failing invocation), ``rank`` (the first rank that reported it), ``worker`` (its
     Dask worker address), ``backtrace`` (the remote traceback text), ``function`` (what was called), ``others``
-    (raised by ``mesh.exit()``: the other failures nobody fetched, as ``RemoteException``s in seq order; the
+    (raised by ``mesh.exit()``: the other failures nobody fetched, ``RemoteException`` objects in seq order; the
     message counts them and names their seqs).
     """
 

@@ -303,7 +303,7 @@ def test_an_actor_on_a_worker_that_dies_fails_the_session_naming_it():
 
 def test_the_example_runs_and_its_policy_learns(client2, tmp_path):
     """``examples/actors_rl.py`` in a subprocess, as a user runs it, shortened, on this module's cluster (its
-    embedded-cluster path is train_digits' and the README snippets')."""
+    embedded-cluster path is train_digits' and the docs' snippets')."""
     import re
     import subprocess
     import sys

@@ -3,7 +3,7 @@
 whether it ends by ``exit()``, by its controller's death or by a failure; and with a stopped peer the survivors'
 process groups are aborted, so teardown never waits on it (issue 12). Workers are ``dask worker`` processes.
 
-The figures in the README's reliability section come from these cases, run as scripts (see there).
+The figures of docs/benchmarks.md ("Reliability") come from these cases, run as scripts (bench/reliability.py).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_cached_remote_aliases(mesh2x2):
 
 # ------------------------------------------------------------------------- the worker's mesh, the user's file
 def shard_of(x, mesh):
-    """As the README shows: a function that reads its rank and size from the mesh the worker gives it."""
+    """As docs/guide.md shows: a function that reads its rank and size from the mesh the worker gives it."""
     rank, size = mesh.dims["gpu"].rank, mesh.dims["gpu"].size
     return x[rank::size] * (1 + mesh.dims["host"].rank)
 

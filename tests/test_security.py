@@ -1,4 +1,4 @@
-"""TLS clusters (issue 12; README "Security"): ``attach(address, security=distributed.Security(...))``, a clear
+"""TLS clusters (issue 12; docs/security.md): ``attach(address, security=distributed.Security(...))``, a clear
 error without it, and one warning per process that the collectives between workers are not encrypted, which a
 Dask config key silences. The certificate is made with the ``openssl`` command (skipped where it is missing)."""
 

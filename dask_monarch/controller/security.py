@@ -1,4 +1,4 @@
-"""What a TLS cluster protects for dask_monarch and what it does not (README "Security").
+"""What a TLS cluster protects for dask_monarch and what it does not (docs/security.md).
 
 Everything that travels over Dask's own connections is protected by its ``distributed.Security``: the
 controller's messages and answers (Dask tasks and their results), the rendezvous store (scheduler RPCs) and
