@@ -22,12 +22,17 @@ from .controller import (
     RemoteProcessGroup,
     Stream,
     Tensor,
+    ValueMesh,
     attach,
+    call_on_shard_and_fetch,
     coalescing,
     compile,
     fetch_shard,
     get_active_mesh,
     get_active_stream,
+    grad_function,
+    grad_generator,
+    gradient_execution_order,
     inspect,
     main_stream,
     no_mesh,
@@ -40,6 +45,7 @@ from .controller import (
 )
 from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
+from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 
 
 def dask_setup(server) -> None:
@@ -71,7 +77,9 @@ __all__ = [
     "SessionError",
     "Stream",
     "Tensor",
+    "ValueMesh",
     "attach",
+    "call_on_shard_and_fetch",
     "coalescing",
     "compile",
     "create_pipe",
@@ -79,6 +87,9 @@ __all__ = [
     "from_dask",
     "get_active_mesh",
     "get_active_stream",
+    "grad_function",
+    "grad_generator",
+    "gradient_execution_order",
     "inspect",
     "iter_from_dask",
     "main_stream",

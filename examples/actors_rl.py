@@ -100,7 +100,7 @@ def main() -> None:
     with dm.attach(args.scheduler, dims={"dp": args.workers}) as mesh:
         env = mesh.spawn(Env, D, K, args.seed)
         buffer = mesh.spawn(ReplayBuffer, 4096, D)
-        print("ranks:", env.reset.call(mesh, args.seed).result())
+        print("ranks:", list(env.reset.call(mesh, args.seed).result().values()))
         with mesh.activate():
             dm.remote(torch.manual_seed, propagate="inspect")(args.seed)  # the same initial Q-network everywhere
             q = torch.nn.Linear(D, K)
@@ -122,7 +122,7 @@ def main() -> None:
                 if step % 50 == 0 or step == args.steps:
                     test = env.observe.rref(256, D)
                     with torch.no_grad():
-                        scores = env.score.call(test, q(test).argmax(1)).result()
+                        scores = list(env.score.call(test, q(test).argmax(1)).result().values())
                     mean = {k: sum(s[k] for s in scores) / len(scores) for k in scores[0]}
                     print(f"step {step}: loss {dm.inspect(loss).item():.4f}, greedy reward {mean['reward']:.3f} "
                           f"(optimal {mean['optimal']:.3f}, random {mean['random']:.3f})")

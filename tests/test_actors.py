@@ -157,7 +157,7 @@ def test_actor_with_tensors(mesh):
     adder = mesh.spawn(AddWithState, torch.ones(()))
     with mesh.activate():
         y = torch.ones(()) + mesh.rank("dp")
-        assert [v.item() for v in adder.forward.call(y).result(timeout=TIMEOUT)] == [2.0, 3.0]
+        assert [v.item() for v in adder.forward.call(y).result(timeout=TIMEOUT).values()] == [2.0, 3.0]
         assert adder.forward.call_one(y, dp=1).result(timeout=TIMEOUT).item() == 3.0
 
 
@@ -169,7 +169,7 @@ def test_actor_tensor_ordering(mesh):
         for _ in range(0, 10, 2):
             results.append(counter.incr.call(torch.ones(())))
             results.append(counter.incr.call(1))
-        assert [r.result(timeout=TIMEOUT) for r in results] == [[i, i] for i in range(10)]
+        assert [list(r.result(timeout=TIMEOUT).values()) for r in results] == [[i, i] for i in range(10)]
 
 
 def test_rref_actor(mesh):
@@ -198,19 +198,19 @@ def test_a_hundred_actor_calls_interleaved_with_tensor_ops_keep_their_order(mesh
             log.push.broadcast(x)
         log.bump.broadcast(x)  # x += 100 on the worker, in place
         y = log.doubled.rref(x) + 1
-        seen = log.history.call().result(timeout=TIMEOUT)
+        seen = list(log.history.call().result(timeout=TIMEOUT).values())
         assert seen == [[float(i) for i in range(1, 101)], [1000.0 + i for i in range(1, 101)]]
         assert dm.inspect(x, dp=1).item() == 1200.0
         assert dm.inspect(y, dp=1).item() == 2401.0
-        assert log.where.call(mesh).result(timeout=TIMEOUT) == [0, 1]
+        assert list(log.where.call(mesh).result(timeout=TIMEOUT).values()) == [0, 1]
 
 
 def test_the_dask_actor_stays_callable_directly(mesh):
     """The Dask ``Actor`` proxies of an ``ActorMesh`` call the same instances (on Dask's actor thread)."""
     counter = mesh.spawn(Counter)
-    assert counter.incr.call(0).result(timeout=TIMEOUT) == [0, 0]
+    assert list(counter.incr.call(0).result(timeout=TIMEOUT).values()) == [0, 0]
     assert counter.actors[1].incr(0).result() == 1
-    assert counter.incr.call(0).result(timeout=TIMEOUT) == [1, 2]
+    assert list(counter.incr.call(0).result(timeout=TIMEOUT).values()) == [1, 2]
 
 
 # ------------------------------------------------------------------------------------------------------ errors
@@ -228,7 +228,7 @@ def test_an_actor_method_that_raises_is_one_root_failure_and_the_session_goes_on
             dm.inspect(dependent)
         with pytest.raises(dm.RemoteException, match="boom after writing"):
             dm.inspect(x)  # the mutated argument carries the failure too
-        assert faulty.fine.call().result(timeout=TIMEOUT) == ["fine", "fine"]
+        assert list(faulty.fine.call().result(timeout=TIMEOUT).values()) == ["fine", "fine"]
         fresh = torch.zeros(1)
         assert dm.inspect(fresh + 1).item() == 1.0
     failures = [(rank, m.seq) for rank, m in session.answers if type(m).__name__ == "RemoteFunctionFailed"]
@@ -267,7 +267,7 @@ def test_a_stopped_actor_mesh_and_an_ended_session_free_the_dask_actors(client2,
     with pytest.raises(RuntimeError, match="stopped"):
         counter.incr.call(1)
     assert wait_until(lambda: all(len(keys) == 1 for keys in actors_on_workers(client2).values()), 30)
-    assert log.history.call().result(timeout=TIMEOUT) == [[], []]
+    assert list(log.history.call().result(timeout=TIMEOUT).values()) == [[], []]
     mesh.exit()
     assert wait_until(lambda: not any(actors_on_workers(client2).values()), 30)
 
@@ -290,7 +290,7 @@ def test_an_actor_on_a_worker_that_dies_fails_the_session_naming_it():
         with Client(cluster) as client:
             mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
             faulty = mesh.spawn(Faulty)
-            assert faulty.fine.call().result(timeout=TIMEOUT) == ["fine", "fine"]
+            assert list(faulty.fine.call().result(timeout=TIMEOUT).values()) == ["fine", "fine"]
             pending = faulty.wait.call(30)
             victim = mesh.workers[1]
             os.kill(client.run(_pid)[victim], signal.SIGKILL)
@@ -330,7 +330,7 @@ def test_calls_that_wait_are_refused_inside_coalescing_and_rref_is_held_for_the_
             log.push.broadcast(x)
             y = log.doubled.rref(x)
         assert dm.inspect(y).item() == 2.0
-        assert log.history.call().result(timeout=TIMEOUT) == [[1.0], [1.0]]
+        assert list(log.history.call().result(timeout=TIMEOUT).values()) == [[1.0], [1.0]]
 
 
 class Broken:
@@ -357,7 +357,7 @@ def test_an_actor_call_runs_on_the_active_stream_with_that_streams_tensors(mesh)
             with pytest.raises(TypeError, match="WRONG_STREAM"):
                 log.push.broadcast(x)
         with side.activate():  # ordered after the push on the same stream (calls on two streams are not ordered)
-            assert log.history.call().result(timeout=TIMEOUT) == [[5.0], [6.0]]
+            assert list(log.history.call().result(timeout=TIMEOUT).values()) == [[5.0], [6.0]]
             assert dm.inspect(z, dp=1).item() == 12.0
 
 
@@ -391,7 +391,7 @@ def test_an_actor_method_traceback_names_the_users_file_and_line(mesh):
 def test_constructor_keywords_named_like_client_submits_own_reach_the_constructor(mesh):
     """``key=`` and ``workers=`` are ``Client.submit``'s keywords too; spawn passes them to the class."""
     keyed = mesh.spawn(Keyed, key="mine", workers=3)
-    assert keyed.get.call().result(timeout=TIMEOUT) == [("mine", 3), ("mine", 3)]
+    assert list(keyed.get.call().result(timeout=TIMEOUT).values()) == [("mine", 3), ("mine", 3)]
 
 
 def test_a_class_or_constructor_argument_that_cannot_be_pickled_fails_spawn_naming_it(mesh):
@@ -408,4 +408,5 @@ def test_a_class_or_constructor_argument_that_cannot_be_pickled_fails_spawn_nami
         mesh.spawn(Keyed, "mine", workers=threading.Lock())
     with pytest.raises(TypeError, match=r"spawn: Keyed's constructor argument 0 \(a lock\) cannot be pickled"):
         mesh.spawn(Keyed, threading.Lock())
-    assert mesh.spawn(Keyed, key="after").get.call().result(timeout=TIMEOUT) == [("after", None), ("after", None)]
+    after = mesh.spawn(Keyed, key="after").get.call().result(timeout=TIMEOUT)
+    assert list(after.values()) == [("after", None), ("after", None)]

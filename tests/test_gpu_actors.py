@@ -55,7 +55,7 @@ def test_an_actor_gets_each_ranks_cuda_tensor_on_its_stream(gpu_client):
         with mesh.activate():
             x = torch.ones(4, device="cuda") + mesh.rank("gpu")
             streams = dm.remote(stream_of, propagate=lambda x: torch.empty((), dtype=torch.int64))(x)
-            seen = scaler.where.call(x).result(timeout=TIMEOUT)
+            seen = list(scaler.where.call(x).result(timeout=TIMEOUT).values())
             assert [s[0] for s in seen] == ["cuda:0", "cuda:0"]  # each worker sees its own GPU as cuda:0
             assert [s[2] for s in seen] == [dm.inspect(streams, gpu=r).item() for r in range(2)]
             y = scaler.scale.rref(x)

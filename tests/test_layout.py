@@ -22,8 +22,10 @@ ORDER = [
     "session",
     "process_group",
     "mesh",
+    "value_mesh",
     # the frontend
-    "tensor", "stream", "remote", "dispatch", "reduce", "to_mesh", "fetch", "actors", "recording", "compile", "report",
+    "tensor", "stream", "functions", "remote", "dispatch", "reduce", "to_mesh", "fetch", "cached_propagation", "actors",
+    "recording", "compile", "gradients", "report",
     # the public entry points
     "attach", "__init__",
 ]

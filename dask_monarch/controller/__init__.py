@@ -9,7 +9,9 @@ from .actors import ActorMesh, Endpoint, as_endpoint, endpoint
 from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
-from .fetch import fetch_shard, inspect
+from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
+from . import cached_propagation  # noqa: F401 (remote learns outputs on the mesh: registers with mesh.Frontend)
+from .gradients import grad_function, grad_generator, gradient_execution_order
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
 from .process_group import RemoteProcessGroup
 from .reduce import reduce, reduce_
@@ -17,6 +19,7 @@ from .remote import remote
 from .report import report
 from .session import MonarchFuture, Session
 from .stream import Borrow, Stream, get_active_stream, main_stream
+from .value_mesh import ValueMesh
 from .tensor import Tensor
 from .to_mesh import MeshSliceTensor, slice_mesh, to_mesh
 
@@ -33,12 +36,17 @@ __all__ = [
     "Session",
     "Stream",
     "Tensor",
+    "ValueMesh",
     "attach",
+    "call_on_shard_and_fetch",
     "coalescing",
     "compile",
     "fetch_shard",
     "get_active_mesh",
     "get_active_stream",
+    "grad_function",
+    "grad_generator",
+    "gradient_execution_order",
     "inspect",
     "main_stream",
     "no_mesh",

@@ -8,8 +8,8 @@ test_tensor_engine.py; DESIGN.md "Decisions": actors are Dask actors living on t
 method runs on each rank's stream thread in the stream's order with the tensor messages around it, and sees each
 rank's local tensors where the call passed remote ones:
 
-* ``call(*args, **kwargs)``: ``SendResultOfActorCall`` to every rank; a ``MonarchFuture`` of the per-rank list of
-  results (tensors as CPU copies), in the mesh's rank order;
+* ``call(*args, **kwargs)``: ``SendResultOfActorCall`` to every rank; a ``MonarchFuture`` of a ``ValueMesh`` of
+  the ranks' results (tensors as CPU copies; Monarch's: ``.item(dp=1)``, ``(point, value)`` pairs in rank order);
 * ``call_one(*args, **kwargs)``: the same on one rank, chosen by keywords that name mesh dimensions (``dp=1``; the
   others go to the method), or the only rank of a one-rank mesh; a future of that rank's result;
 * ``choose(*args, **kwargs)``: ``call_one`` on the mesh's first rank;
@@ -36,16 +36,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import torch
 
-from ..exceptions import RemoteException, SessionError
+from ..exceptions import SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
 from ..worker.actors import construct
 from .coalescing import refuse_wait
-from .fetch import _rank_of
+from .fetch import _rank_of, collect
 from .local import propagating
 from .mesh import DeviceMesh, frontend
-from .remote import _mesh_of, _with_hint, function_of, pack_leaves, remote_outputs
+from .remote import _mesh_of, _with_hint, function_of, remote_outputs, sendable
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
+from .value_mesh import ValueMesh
 
 __all__ = ["ActorMesh", "Endpoint", "as_endpoint", "endpoint", "spawn"]
 
@@ -252,8 +253,9 @@ class Endpoint:
         return f"{self._actors.cls.__qualname__}.{self._method} (actor)"
 
     def call(self, *args, **kwargs):
-        """Run the method on every rank; a ``MonarchFuture`` whose ``result(timeout=None)`` is the list of every
-        rank's return value (tensors as CPU copies), in the mesh's rank order. It raises ``RemoteException`` if the
+        """Run the method on every rank; a ``MonarchFuture`` whose ``result(timeout=None)`` (or ``get()``) is a
+        ``ValueMesh`` of every rank's return value (tensors as CPU copies): ``.item(dp=1)``, ``.values()`` in the
+        mesh's rank order, ``(point, value)`` pairs when iterated (Monarch's). It raises ``RemoteException`` if the
         method raised on a rank (or an input depends on a failure), ``SessionError`` if the session failed."""
         return self._ask(self._actors.mesh._rank_list, args, kwargs, one=False)
 
@@ -299,28 +301,12 @@ class Endpoint:
     def _ask(self, ranks: tuple, args, kwargs, one: bool):
         refuse_wait(f"{self._what}.call")  # before sending: a refused call leaves nothing in the coalescing block
         seq, session, refs = self._send(args, kwargs, SendResultOfActorCall, outputs=False, ranks=ranks)
-        workers = session.workers
+        mesh = self._actors.mesh
         what = self._what
 
         def value():
-            answers = session.take_fetch_results(seq)
-            error = session.history.error_of(refs)
-            if error is not None:
-                session.history.consumed(error)
-                raise error
-            values = []
-            for rank in ranks:
-                answer = answers.get(rank)
-                if answer is None:
-                    raise RuntimeError(f"{what}: rank {rank} answered Status but no FetchResult for seq {seq}")
-                if answer.error is not None:
-                    for error in list(session.history.unconsumed.values()):
-                        if getattr(error, "seq", None) == seq:
-                            session.history.consumed(error)
-                            raise error
-                    raise RemoteException(seq, rank, workers[rank], answer.error.backtrace, what)
-                values.append(answer.value)
-            return values[0] if one else values
+            values = collect(session, seq, ranks, refs, what)
+            return values[0] if one else ValueMesh(mesh.names, mesh.processes.sizes, values)
 
         return session.sync(f"{what} (seq {seq}) on {len(ranks)} rank(s)", on_done=value, kind="fetch")
 
@@ -336,14 +322,7 @@ class Endpoint:
             raise TypeError(f"WRONG_MESH: {self._what} runs on {actors.mesh!r}, but its tensors are on {mesh!r}")
         if session.recording() is not None:
             raise RuntimeError(f"{self._what} inside a compiled function: actor calls cannot be recorded")
-        inputs = [x for x in leaves if isinstance(x, Tensor)]
-        for x in leaves:
-            if isinstance(x, Tensor):
-                x.check_usable()  # TypeError DROPPED
-            elif isinstance(x, DeviceMesh):
-                x.define_remotely()
-        packed = pack_leaves(leaves, self._what)
-        sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
+        inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, self._what)
         declared = self._declared_writes(args, kwargs)
         stream = get_active_stream()
         with session.lock:

@@ -1,8 +1,10 @@
-"""``fetch_shard`` and ``inspect``: bring one rank's value to the controller (spec §1 "Fetch").
+"""``fetch_shard`` and ``inspect``: bring one rank's value to the controller (spec §1 "Fetch"); the values of a
+remote function: ``call_on_shard_and_fetch`` (one rank's) and ``remote(f).call`` (every rank's, as a ``ValueMesh``).
 
-A fetch sends ``SendValue`` (identity) to one rank, then ``RequestStatus`` to every rank; its future resolves
-once every rank has passed it, so a failure on any rank that the value depends on is known by then. Tensors
-arrive on CPU. A value that depends on a failed invocation raises ``RemoteException``.
+A fetch sends ``SendValue`` (identity, or the function to call) to the ranks asked, then ``RequestStatus`` to every
+rank; its future resolves once every rank has passed it, so a failure on any rank that the value depends on is known
+by then. Tensors arrive on CPU. A value that depends on a failed invocation raises ``RemoteException``, as does a
+function that raised.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..exceptions import RemoteException
 from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
-from .mesh import DeviceMesh
-from .remote import pack_leaves
+from .mesh import DeviceMesh, frontend
+from .process_group import RemoteProcessGroup
+from .remote import Remote, _mesh_of, pack_leaves, remote, sendable
 from .future import MonarchFuture
-from .stream import check_access
+from .stream import check_access, get_active_stream
 from .tensor import Tensor
+from .value_mesh import ValueMesh
 
-__all__ = ["fetch_shard", "inspect"]
+__all__ = ["call_on_shard_and_fetch", "collect", "fetch_call", "fetch_shard", "inspect"]
 
 
 class _Done(MonarchFuture):
@@ -58,6 +62,30 @@ def _rank_of(mesh: DeviceMesh, coords: dict) -> int:
             raise IndexError(f"fetch_shard: coordinate {name}={c!r} out of range for size {size}")
         index.append(c)
     return mesh.processes.location(index)
+
+
+def collect(session, seq: int, ranks: tuple, refs: list, what: str) -> list:
+    """The values of fetch ``seq`` from ``ranks`` (in that order), once every rank has passed it (a future's
+    ``on_done``): raises the failure the fetched refs ``refs`` depend on, or the ``RemoteException`` of a rank whose
+    answer is an error (what the function raised), naming ``what``."""
+    answers = session.take_fetch_results(seq)
+    error = session.history.error_of(refs)
+    if error is not None:
+        session.history.consumed(error)
+        raise error
+    values = []
+    for rank in ranks:
+        answer = answers.get(rank)
+        if answer is None:
+            raise RuntimeError(f"{what}: rank {rank} answered Status but no FetchResult for seq {seq}")
+        if answer.error is not None:
+            for error in list(session.history.unconsumed.values()):
+                if getattr(error, "seq", None) == seq:
+                    session.history.consumed(error)
+                    raise error
+            raise RemoteException(seq, rank, session.workers[rank], answer.error.backtrace, what)
+        values.append(answer.value)
+    return values
 
 
 def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
@@ -102,20 +130,7 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
         session.send(SendValue(seq, None, [], None, ArgsKwargs((sent,), {}), stream.ref_for(session)), [rank])
 
         def value():
-            answer = session.take_fetch_result(seq)
-            error = session.history.error_of(refs)
-            if error is not None:
-                session.history.consumed(error)
-                raise error
-            if answer is None:
-                raise RuntimeError(f"fetch_shard: rank {rank} answered Status but no FetchResult for seq {seq}")
-            if answer.error is not None:
-                for error in list(session.history.unconsumed.values()):
-                    if getattr(error, "seq", None) == seq:
-                        session.history.consumed(error)
-                        raise error
-                raise RemoteException(seq, rank, session.workers[rank], answer.error.backtrace, "fetch_shard")
-            return answer.value
+            return collect(session, seq, (rank,), refs, "fetch_shard")[0]
 
         return session.sync(f"fetch_shard (seq {seq}) from rank {rank}", on_done=value, kind="fetch")
 
@@ -123,3 +138,69 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
 def inspect(obj, shard: dict | None = None, **coords):
     """``fetch_shard(obj, shard, **coords).result()`` (spec §1)."""
     return fetch_shard(obj, shard, **coords).result()
+
+
+def fetch_call(fn: Remote, args: tuple, kwargs: dict, shard: dict | None, every: bool) -> MonarchFuture:
+    """Run remote function ``fn`` on ranks of the mesh of its arguments (else the active mesh) and fetch the values:
+    every rank's as a ``ValueMesh`` (``every``), the rank at ``shard`` (a dict dim -> coordinate; ``{}``: the mesh's
+    first rank), or, with ``shard`` None, the only rank of a one-rank mesh. One ``SendValue`` of the function on
+    the active stream; the inputs ``fn``'s ``propagate`` writes (if it is a function) are its ``mutates``.
+
+    Raises at the call ``ValueError`` (no mesh, or ``shard`` None on a mesh of several ranks), ``KeyError``/
+    ``IndexError``/``TypeError`` for bad coordinates, ``TypeError`` for a process group among the arguments and
+    the client checks (LOCAL_TENSOR, WRONG_MESH, WRONG_STREAM, DROPPED), ``RuntimeError`` inside ``coalescing()`` or
+    a compiled function; the future raises ``RemoteException`` if the function raised on a rank (or an input
+    depends on a failure) and ``SessionError`` if the session failed."""
+    name = fn.__name__
+    leaves, spec = tree_flatten((args, kwargs))
+    mesh = _mesh_of(leaves)
+    if any(isinstance(x, RemoteProcessGroup) for x in leaves):
+        raise TypeError(f"{name}: a process group among the arguments of a fetched call; its collectives need a "
+                        "call that stays on the mesh (call the function, then fetch its result)")
+    if every:
+        ranks = mesh._rank_list
+    elif shard is None:
+        if len(mesh._rank_list) != 1:
+            raise ValueError(f"{name}.call_one on a mesh of {len(mesh._rank_list)} ranks {mesh.sizes}: it needs a "
+                             "mesh of one rank (mesh.slice(...)); use call() or call_on_shard_and_fetch(shard=...)")
+        ranks = mesh._rank_list
+    else:
+        if not isinstance(shard, dict):
+            raise TypeError(f"call_on_shard_and_fetch: shard must be a dict of dimension -> coordinate, got {shard!r}")
+        ranks = (_rank_of(mesh, shard),)
+    refuse_wait(f"{name} fetched from {len(ranks)} rank(s)")  # before anything is sent
+    inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, name)
+    written = fn.writes(args, kwargs)
+    session = mesh._session
+    stream = get_active_stream()
+    with session.lock:
+        session.check_ok()
+        stream_ref = stream.ref_for(session)
+        check_access(stream, inputs, written)
+        mutates = session.aliases_of(written)
+        session.follow_default_dtype(stream_ref)
+        seq = session.new_seq()
+        session.record(seq, defs=mutates, uses=inputs, what=name)
+        session.send(SendValue(seq, None, [t.ref for t in mutates], fn.function,
+                               ArgsKwargs(tuple(sent_args), dict(sent_kwargs)), stream_ref), ranks)
+        refs = [t.ref.id for t in inputs]
+
+        def value():
+            values = collect(session, seq, ranks, refs, name)
+            return ValueMesh(mesh.names, mesh.processes.sizes, values) if every else values[0]
+
+        return session.sync(f"{name} (seq {seq}) on {len(ranks)} rank(s)", on_done=value, kind="fetch")
+
+
+def call_on_shard_and_fetch(fn, *args, shard: dict | None = None, **kwargs) -> MonarchFuture:
+    """Run ``fn`` on one rank and fetch its value (Monarch's ``call_on_shard_and_fetch``): a ``MonarchFuture`` whose
+    ``result()``/``get()`` is what the function returned there, tensors as CPU copies. ``fn`` is a ``remote(...)``
+    function or anything ``remote`` takes (a function, a dotted path); ``shard`` a dict of dimension -> coordinate
+    (default: the mesh's first rank; otherwise give every dimension). Without a ``propagate`` function no
+    argument is taken to be written (Monarch's rule). Errors as ``fetch_call``'s."""
+    if not isinstance(fn, Remote):
+        fn = remote(fn)
+    return fetch_call(fn, args, kwargs, {} if shard is None else shard, False)
+
+
+frontend.fetch_call = fetch_call

@@ -16,7 +16,9 @@ __all__ = ["MonarchFuture"]
 
 
 class MonarchFuture:
-    """The answer to a fetch or a status request: ``result(timeout=None)``, ``done()``, ``exception()``.
+    """The answer to a fetch or a status request: ``result(timeout=None)`` (also ``get(timeout=None)``, Monarch's
+    name), ``done()``, ``exception()``. Every future dask_monarch returns is one (fetches, remote functions'
+    ``call``, actor endpoints).
 
     ``result`` waits as long as the mesh is alive and working; it raises ``RemoteException`` if the value
     depends on a failed invocation, ``SessionError`` if a worker failed fatally or left, and ``TimeoutError``
@@ -48,6 +50,10 @@ class MonarchFuture:
         except SessionError:
             self._session._failure_seen = True  # reported here, so mesh.exit() need not raise it again
             raise
+
+    def get(self, timeout: float | None = None):
+        """``result(timeout)``, by Monarch's name (``Future.get``)."""
+        return self.result(timeout)
 
     def _result(self, timeout: float | None, notice=None):
         """``result``; ``notice``: ``(seconds, fn)``, ``fn()`` is called once if no answer came in that long."""

@@ -15,7 +15,7 @@ import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
 
-__all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh"]
+__all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh", "select"]
 
 
 class Frontend:
@@ -39,6 +39,10 @@ class Frontend:
     to_mesh = None
     #: ``to_mesh.MeshSliceTensor(tensor, sub_mesh)``: ``Tensor.slice_mesh``
     slice_mesh = None
+    #: ``fetch.fetch_call(fn, args, kwargs, shard, every)``: ``Remote.call``, ``.call_one``, ``.call_on_shard_and_fetch``
+    fetch_call = None
+    #: ``cached_propagation.learn_outputs``: ``remote`` learns a call's outputs on the mesh's first rank
+    learn_outputs = None
 
 
 #: the frontend's operations (``Frontend``)
@@ -65,6 +69,41 @@ class _NoMesh:
 
 
 no_mesh = _NoMesh()
+
+
+def select(names, ranks: Slice, selection: dict, what: str) -> tuple:
+    """``(names, Slice)`` of the part of ``ranks`` (dims ``names``) that ``selection`` picks: ``dim=int`` removes the
+    dim at that coordinate, ``dim=slice(...)`` keeps a range (step 1 or more); ``what`` names the thing sliced in
+    errors. Raises ``KeyError`` for an unknown dim, ``IndexError`` for an out-of-range coordinate, ``TypeError``
+    for another kind of selection."""
+    selection = dict(selection)
+    offset = ranks.offset
+    kept, sizes, strides = [], [], []
+    for name, size, stride in zip(names, ranks.sizes, ranks.strides):
+        if name not in selection:
+            kept.append(name)
+            sizes.append(size)
+            strides.append(stride)
+            continue
+        sel = selection.pop(name)
+        if isinstance(sel, int):
+            if not -size <= sel < size:
+                raise IndexError(f"{what} dimension {name!r} has size {size}, index {sel} is out of range")
+            offset += (sel % size) * stride
+        elif isinstance(sel, slice):
+            start, stop, step = sel.indices(size)
+            count = len(range(start, stop, step))
+            if count == 0:
+                raise IndexError(f"empty selection {sel} of {what} dimension {name!r}")
+            offset += start * stride
+            kept.append(name)
+            sizes.append(count)
+            strides.append(stride * step)
+        else:
+            raise TypeError(f"{what} selection for {name!r} must be an int or a slice, got {type(sel).__name__}")
+    if selection:
+        raise KeyError(f"{sorted(selection)} not dimensions of this {what}; its dimensions are {list(names)}")
+    return kept, Slice(offset, sizes, strides)
 
 
 class DeviceMesh:
@@ -147,33 +186,8 @@ class DeviceMesh:
     def slice(self, **selection) -> "DeviceMesh":
         """Sub-mesh: ``dim=int`` removes the dim at that coordinate; ``dim=slice(...)`` keeps a range (step 1 or
         more). Raises ``KeyError`` for an unknown dim, ``IndexError`` for an out-of-range coordinate."""
-        offset = self.processes.offset
-        names, sizes, strides = [], [], []
-        for name, size, stride in zip(self.names, self.processes.sizes, self.processes.strides):
-            if name not in selection:
-                names.append(name)
-                sizes.append(size)
-                strides.append(stride)
-                continue
-            sel = selection.pop(name)
-            if isinstance(sel, int):
-                if not -size <= sel < size:
-                    raise IndexError(f"mesh dimension {name!r} has size {size}, index {sel} is out of range")
-                offset += (sel % size) * stride
-            elif isinstance(sel, slice):
-                start, stop, step = sel.indices(size)
-                count = len(range(start, stop, step))
-                if count == 0:
-                    raise IndexError(f"empty selection {sel} of mesh dimension {name!r}")
-                offset += start * stride
-                names.append(name)
-                sizes.append(count)
-                strides.append(stride * step)
-            else:
-                raise TypeError(f"mesh selection for {name!r} must be an int or a slice, got {type(sel).__name__}")
-        if selection:
-            raise KeyError(f"{sorted(selection)} not dimensions of this mesh; its dimensions are {list(self.names)}")
-        return DeviceMesh(self._session, names, Slice(offset, sizes, strides))
+        names, ranks = select(self.names, self.processes, selection, "mesh")
+        return DeviceMesh(self._session, names, ranks)
 
     def split(self, **splits) -> "DeviceMesh":
         """Split dimensions: ``split(host=("dp", "pp"), pp=4)`` replaces ``host`` by ``dp`` x ``pp`` (row-major),

@@ -216,6 +216,17 @@ class Propagator:
         self.hits += 1
         return plan
 
+    def learned(self, key, plan: Plan) -> None:
+        """Keep ``plan``, learned elsewhere (on the mesh's first rank: ``cached_propagation.py``, after ``run``
+        raised, which counted the miss), for ``key``. A plan with a value that is not plain is not kept (a value
+        object would be shared by every call): each such call learns again."""
+        if key is None or any(s[0] == VALUE and type(s[1]) not in _PLAIN for s in plan.steps):
+            return
+        if len(self._plans) >= _MAX_ENTRIES:
+            self._plans.clear()
+            self._offset_free.clear()
+        self._plans[key] = plan
+
     def run(self, key, shapes, fake_args, fake_kwargs, input_fakes, writes=(), torch_op: bool = False):
         """``(output pytree, mutated input indices, plan)``: ``shapes(*fake_args, **fake_kwargs)`` computed under the
         fake mode, and the ``Plan`` recorded for ``key`` (None if the call cannot be cached). ``writes`` are the

@@ -3,26 +3,26 @@
 The function is named by path when the workers can import it (torch ops, importable functions) and
 cloudpickled otherwise. Output shapes come from running ``propagate`` (default: the function itself) on fake
 tensors on the controller; inputs whose fake version changes are mutated, and every live alias of their
-storage is sent in ``mutates``. Each call is one ``CallFunction``.
+storage is sent in ``mutates``. Where the function itself cannot run on fake tensors (it reads values: ``.item()``,
+data-dependent shapes; or the controller cannot import it), its outputs are learned by running it once on the
+mesh's first rank, as Monarch learns them (``cached_propagation.py``). Each call is one ``CallFunction``.
+``remote(f).call(*args)`` and ``call_on_shard_and_fetch`` fetch the function's values instead (``fetch.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import io
-import marshal
+import os
 import sys
-import threading
-import types
-from collections import ChainMap
+import traceback
 
-import cloudpickle
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..protocol import ArgsKwargs, CallFunction, Cloudpickle, FunctionPath, PickledValue, Ref, StreamRef
+from ..protocol import ArgsKwargs, CallFunction, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
+from .functions import dumps_by_value, function_of  # noqa: F401 (dumps_by_value: imported from here too)
 from .local import propagating
 from .mesh import DeviceMesh, frontend, get_active_mesh
 from .process_group import RemoteProcessGroup
@@ -32,7 +32,8 @@ from .storage import Storage
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
-__all__ = ["remote", "Remote", "call_on_mesh", "function_of", "pack_leaves", "written_tensors"]
+__all__ = ["remote", "Remote", "LearnOnMesh", "call_on_mesh", "function_of", "pack_leaves", "propagate_failed",
+           "sendable", "user_line", "written_tensors"]
 
 #: argument leaves that travel as they are in the batch; any other leaf is pickled at the call (``PickledValue``)
 _WIRE_SAFE = frozenset((
@@ -43,83 +44,6 @@ _WIRE_SAFE = frozenset((
 
 def _is_none(x) -> bool:
     return x is None
-
-
-def _is_test_module(module: str) -> bool:
-    base = module.rsplit(".", 1)[-1]
-    return base.startswith("test_") or base.endswith("_test") or base == "conftest"
-
-
-def _importable_path(fn) -> str | None:
-    """``"module.qualname"`` if the workers can import ``fn`` by that name (spec §1: not ``__main__``, not a
-    pytest module, not a local function), else None."""
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    if not module or not qualname or module == "__main__" or "<" in qualname or _is_test_module(module):
-        return None
-    mod = sys.modules.get(module)
-    obj = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    if obj is fn or getattr(obj, "_remote_impl", None) is fn:  # a function decorated with @remote
-        return f"{module}.{qualname}"
-    name = getattr(fn, "__name__", None)
-    if name and getattr(mod, name, None) is fn:  # builtins such as torch.zeros (qualname _VariableFunctionsClass.zeros)
-        return f"{module}.{name}"
-    return None
-
-
-_BY_VALUE_LOCK = threading.Lock()
-
-
-def _code_reduce(code: types.CodeType):
-    """A code object, with its file name (cloudpickle writes ``"<dynamic-code>"``, so remote tracebacks named no
-    file): ``marshal`` keeps every field, nested functions' code included. Controller and workers run the same
-    Python version, as code travelling by value needs anyway."""
-    return marshal.loads, (marshal.dumps(code),)
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle's pickler, keeping the source file of functions sent by value (``_code_reduce``)."""
-
-    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
-
-
-def dumps_by_value(fn) -> bytes:
-    """``cloudpickle.dumps(fn)``, with ``fn``'s (and the functions it uses') file names kept, so that a traceback
-    on a worker names the user's file and line."""
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=5).dump(fn)
-    return buffer.getvalue()
-
-
-def function_of(fn):
-    """The ``ResolvableFunction`` for ``fn``: an ``OpOverload`` or dotted string -> ``FunctionPath``; an importable
-    function -> its path; anything else (lambdas, closures, ``__main__``, functions of pytest modules, which the
-    workers usually cannot import) -> ``Cloudpickle``, by value."""
-    if isinstance(fn, str):
-        if "." not in fn:
-            raise ValueError(f"remote function paths must be fully qualified, got {fn!r}")
-        return FunctionPath(fn)
-    if isinstance(fn, torch._ops.OpOverload):
-        return FunctionPath(f"torch.ops.{fn.namespace}.{fn._schema.name.split('::')[-1]}.{fn._overloadname}")
-    if isinstance(fn, torch._ops.OpOverloadPacket):
-        return FunctionPath(f"torch.ops.{fn._qualified_op_name.replace('::', '.')}")
-    if not callable(fn):
-        raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
-    path = _importable_path(fn)
-    if path is not None:
-        return FunctionPath(path)
-    module_name = getattr(fn, "__module__", None) or ""
-    module = sys.modules.get(module_name)
-    if module is not None and _is_test_module(module_name):
-        with _BY_VALUE_LOCK:  # cloudpickle's registry is process-wide: controllers in other threads share it
-            cloudpickle.register_pickle_by_value(module)
-            try:
-                return Cloudpickle(dumps_by_value(fn))
-            finally:
-                cloudpickle.unregister_pickle_by_value(module)
-    return Cloudpickle(dumps_by_value(fn))
 
 
 def pack_leaves(leaves: list, where: str) -> list | None:
@@ -135,6 +59,22 @@ def pack_leaves(leaves: list, where: str) -> list | None:
         with propagating():  # pickling a local value (a local tensor, say) is local work, not mesh ops
             packed[i] = PickledValue.of(x, where)
     return packed
+
+
+def sendable(leaves: list, spec, args: tuple, kwargs: dict, where: str) -> tuple:
+    """``(remote tensor arguments, args, kwargs as sent)`` of a call whose flattened arguments are ``leaves``
+    (``spec``): each remote tensor checked (``TypeError`` DROPPED), each mesh defined on the workers, the other
+    values pickled now (``pack_leaves``, naming ``where``)."""
+    inputs = []
+    for x in leaves:
+        if isinstance(x, Tensor):
+            x.check_usable()
+            inputs.append(x)
+        elif isinstance(x, DeviceMesh):
+            x.define_remotely()
+    packed = pack_leaves(leaves, where)
+    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
+    return inputs, sent_args, sent_kwargs
 
 
 def _worker_view(x):
@@ -180,6 +120,8 @@ class Remote:
     def _shapes(self, *args, **kwargs):
         if self._propagate == "inspect":
             return None
+        if self._propagate == "cached":
+            raise LearnOnMesh("propagate='cached'")
         if callable(self._propagate):
             return _as_views(self._propagate(*args, **kwargs), args, kwargs)
         fn = resolve_path(self._fn) if isinstance(self._fn, str) else self._fn
@@ -189,13 +131,50 @@ class Remote:
         return _as_views(fn(*args, **kwargs), args, kwargs)
 
     def __call__(self, *args, **kwargs):
-        return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs)
+        learn = self._propagate is None or self._propagate == "cached"
+        return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs, learn=learn)
+
+    def call(self, *args, **kwargs):
+        """Run the function on every rank of the mesh and fetch what each returns (Monarch's ``Remote.call``): a
+        ``MonarchFuture`` whose ``result()`` / ``get()`` is a ``ValueMesh`` of the ranks' values (tensors as CPU
+        copies), ``.item(dp=1)``, iterated as ``(point, value)`` in rank order (``fetch.py``)."""
+        return frontend.fetch_call(self, args, kwargs, None, True)
+
+    def call_one(self, *args, **kwargs):
+        """``call`` on a mesh of one rank (a sliced one): a future of that rank's value (Monarch's ``call_one``).
+        ``ValueError`` on a mesh of more ranks."""
+        return frontend.fetch_call(self, args, kwargs, None, False)
+
+    def call_on_shard_and_fetch(self, *args, shard: dict | None = None, **kwargs):
+        """Run the function on one rank (``shard``: dim -> coordinate; default the mesh's first rank) and fetch its
+        value: a ``MonarchFuture`` (Monarch's ``call_on_shard_and_fetch``; ``fetch.py``)."""
+        return frontend.fetch_call(self, args, kwargs, {} if shard is None else shard, False)
+
+    def writes(self, args: tuple, kwargs: dict) -> list:
+        """The remote tensors among the arguments that ``propagate`` (a callable) writes, run on fake tensors; [] for
+        no ``propagate`` (Monarch's fetch propagation assumes no writes then). A ``propagate`` that raises raises
+        here, with its source line."""
+        if not callable(self._propagate):
+            return []
+        leaves, spec = tree_flatten((args, kwargs))
+        inputs = [x for x in leaves if isinstance(x, Tensor)]
+        if not inputs:
+            return []
+        session = inputs[0].mesh._session
+        fake_args, fake_kwargs = tree_unflatten(_fakes(leaves, session), spec)
+        with session.lock, propagating(), torch.no_grad():
+            try:
+                _, mutated, _ = session.propagator.run(None, self._propagate, fake_args, fake_kwargs,
+                                                       [t._fake for t in inputs])
+            except Exception as e:
+                raise propagate_failed(e, self.__name__) from e
+        return [inputs[i] for i in mutated]
 
     def __repr__(self) -> str:
         return f"remote({self._fn!r})"
 
 
-def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None):
+def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None, learn: bool = False):
     """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
     every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
 
@@ -206,8 +185,10 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     ``out=`` ops) are mutated besides (inside ``__torch_dispatch__`` the fakes' versions do not move). A second
     call with the same input metadata makes its outputs from the first one's ``Plan`` (``propagation.py``),
     without running ``shapes`` (for a torch op whose outputs view no input, also with its inputs at other storage
-    offsets). The mesh is the remote tensors' mesh, else ``mesh``, else the active mesh; the
-    stream is the active stream (``controller/stream.py``: its checks run before anything is sent).
+    offsets). ``learn``: ``shapes`` runs the function itself, so where it raises the outputs are learned on the
+    mesh's first rank instead (``cached_propagation.py``). The mesh is the remote tensors' mesh, else ``mesh``, else
+    the active mesh; the stream is the active stream (``controller/stream.py``: its checks run before anything is
+    sent).
     """
     # a torch op's FunctionPath follows from the op: the key leaves it out (its hash is a Python call)
     key, inputs = call_key(None if op is not None else function, shapes, args, kwargs, Tensor, DeviceMesh)
@@ -229,7 +210,7 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
                 groups = _groups_in(args, kwargs) if plan.groups else ()
                 if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
                     return _issue(plan, function, name, args, kwargs, inputs, mesh, groups)
-    return _call(function, name, shapes, args, kwargs, mesh, op, key)
+    return _call(function, name, shapes, args, kwargs, mesh, op, key, learn)
 
 
 def _groups_in(args: tuple, kwargs: dict) -> list:
@@ -279,29 +260,29 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
     return values[0] if plan.spec is None else tree_unflatten(values, plan.spec)
 
 
-def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
-    """``call_on_mesh`` without a plan: check the arguments, run ``shapes`` on fakes, record a plan if the call can
-    be cached (``key``), and send the call."""
+def _fakes(leaves: list, session) -> list:
+    """``leaves`` with each remote tensor as its fake and each local one as a fake of the session's mode."""
+    fakes = []
+    for x in leaves:
+        if isinstance(x, Tensor):
+            fakes.append(x._fake)
+        elif isinstance(x, torch.Tensor):
+            fakes.append(session.fake_mode.from_tensor(x))  # a local value (checked by _mesh_of), sent by value
+        else:
+            fakes.append(x)
+    return fakes
+
+
+def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool):
+    """``call_on_mesh`` without a plan: check the arguments, run ``shapes`` on fakes (or, where that raises and
+    ``learn``, learn the outputs on the mesh's first rank), record a plan if the call can be cached (``key``), and
+    send the call."""
     leaves, spec = tree_flatten((args, kwargs))
     mesh = _mesh_of(leaves, mesh)
     session = mesh._session
-    packed = pack_leaves(leaves, name)
-    sent_args, sent_kwargs = (args, kwargs) if packed is None else tree_unflatten(packed, spec)
-    inputs = []
-    fake_leaves = []
+    inputs, sent_args, sent_kwargs = sendable(leaves, spec, args, kwargs, name)
     groups = [x for x in leaves if isinstance(x, RemoteProcessGroup)]
-    for x in leaves:
-        if isinstance(x, Tensor):
-            x.check_usable()
-            inputs.append(x)
-            fake_leaves.append(x._fake)
-        elif isinstance(x, torch.Tensor):
-            fake_leaves.append(session.fake_mode.from_tensor(x))  # a local value (checked by _mesh_of), sent by value
-        else:
-            if isinstance(x, DeviceMesh):
-                x.define_remotely()
-            fake_leaves.append(x)
-    fake_args, fake_kwargs = tree_unflatten(fake_leaves, spec)
+    fake_args, fake_kwargs = tree_unflatten(_fakes(leaves, session), spec)
     writes = written_tensors(op, args, kwargs) if op is not None else ()
     written_inputs = [i for i, t in enumerate(inputs) if any(t is w for w in writes)]
     stream = get_active_stream()
@@ -315,11 +296,15 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key):
         except Exception as e:
             if op is not None:  # a torch op: its own error, as torch gives it locally (a shape mismatch, a dtype)
                 raise
-            raise _with_hint(
-                e,
-                f"computing the output shapes of {name} on fake tensors failed ({e}); pass propagate= to remote() "
-                "with a function that returns outputs of the right shapes",
-            ) from e
+            if not learn:
+                raise propagate_failed(e, name) from e
+            failure = e
+        else:
+            failure = None
+    if failure is not None:  # learned on the mesh's first rank: a wait, outside the session's lock
+        plan = frontend.learn_outputs(function, name, key, tuple(sent_args), sent_kwargs, inputs, mesh, groups,
+                                      failure)
+    with session.lock:
         if plan is not None:
             plan.groups = bool(groups)
             return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups)
@@ -384,6 +369,31 @@ def written_tensors(func, args, kwargs) -> list:
 
 
 _writes: dict = {}  # OpOverload -> (position, name, kwarg_only) of the arguments it writes
+
+
+class LearnOnMesh(Exception):
+    """Raised by a ``Remote``'s shapes for ``propagate="cached"``: learn the outputs on the mesh, not on fakes."""
+
+
+_NOT_USERS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]]))
+
+
+def user_line(error: BaseException) -> str:
+    """``File "...", line N, in f`` and the source line of the innermost frame of ``error``'s traceback that is
+    neither torch's nor dask_monarch's (the user's line that raised), indented on two lines; "" if none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not frame.filename.startswith(_NOT_USERS):
+            source = f"\n    {frame.line}" if frame.line else ""
+            return f'\n  File "{frame.filename}", line {frame.lineno}, in {frame.name}{source}'
+    return ""
+
+
+def propagate_failed(error: Exception, name: str) -> Exception:
+    """The error of a ``propagate`` function that raised on fake tensors: of the same type, saying so, with the line
+    that raised (the caller chains it to ``error``)."""
+    return _with_hint(error, f"{name}: its propagate function raised on the shapes of the arguments: "
+                             f"{type(error).__name__}: {error}{user_line(error)}\npropagate= must return tensors of "
+                             "the outputs' shapes and dtypes (e.g. torch.empty(...)), or None for no tensor outputs")
 
 
 def _with_hint(error: Exception, text: str) -> Exception:
@@ -465,10 +475,15 @@ def remote(fn=None, *, propagate=None):
     ``remote(torch.ops.aten.add.Tensor)`` or as a decorator ``@remote(propagate=...)``.
 
     ``propagate``: None runs ``fn`` itself on fake tensors to learn output shapes, with each ``DeviceMesh``
-    argument as the workers get it, seen from the mesh's first rank (``mesh.dims["dp"].rank`` is 0); a callable
-    is run instead, with the same arguments (meshes as the controller's ``DeviceMesh``: ``mesh.size("dp")``), and
-    must return fake tensors of the output shapes, e.g. with ``torch.empty``; ``"inspect"`` means no tensor
-    outputs (the function returns nothing, or values the controller does not need).
+    argument as the workers get it, seen from the mesh's first rank (``mesh.dims["dp"].rank`` is 0); where that
+    raises (``fn`` reads values, ``.item()``, a data-dependent shape, or the controller cannot import it) the outputs
+    are learned by running ``fn`` once on the mesh's first rank (Monarch's way, ``cached_propagation.py``), cached
+    per argument metadata. ``"cached"`` always learns them on the first rank. A callable is run instead, with the
+    same arguments (meshes as the controller's ``DeviceMesh``: ``mesh.size("dp")``), and must return fake tensors
+    of the output shapes, e.g. with ``torch.empty``; ``"inspect"`` means no tensor outputs (the function returns
+    nothing, or values the controller does not need). Raises ``TypeError`` for an ``fn`` that is neither callable
+    nor a path, ``ValueError`` for another ``propagate`` value, ``NotImplementedError`` for ``"mocked"`` (as
+    Monarch).
     """
     if fn is None:
         return lambda f: remote(f, propagate=propagate)
@@ -476,6 +491,14 @@ def remote(fn=None, *, propagate=None):
         function_of(fn)  # a path without a dot fails now, not at the first call
     elif not callable(fn):
         raise TypeError(f"remote() needs a callable or a dotted path, got {type(fn).__name__}")
+    if propagate == "mocked":
+        raise NotImplementedError("remote(propagate='mocked') is not implemented (nor is it in Monarch); use None, "
+                                  "'cached', 'inspect' or a function")
+    if isinstance(propagate, str) and propagate not in ("cached", "inspect"):
+        raise ValueError(f"remote(): propagate must be None, 'cached', 'inspect' or a function, got {propagate!r}")
+    if propagate is not None and not isinstance(propagate, str) and not callable(propagate):
+        raise ValueError(f"remote(): propagate must be None, 'cached', 'inspect' or a function, got "
+                         f"{type(propagate).__name__}")
     return Remote(fn, propagate)
 
 
