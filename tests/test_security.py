@@ -105,3 +105,83 @@ def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
             assert dm.fetch_shard(t, dp=0).result(timeout=60).tolist() == [0.0, 1.0, 2.0]
             assert channels.socket_chunks[0] > 0 and channels.socket_chunks[1] > 0
             assert channels.comm_chunks == [0, 0]
+
+
+def _docs_cluster_commands(scheduler_port: int, dashboard_port: int) -> list[list[str]]:
+    """The ``dask scheduler`` and ``dask worker`` command lines of docs/clusters.md's first bash block, with its
+    fixed ports replaced by free ones."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "clusters.md").read_text()
+    block = re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)[0]
+    block = block.replace("\\\n", " ").replace("8786", str(scheduler_port)).replace("8787", str(dashboard_port))
+    commands = []
+    for line in block.splitlines():
+        line = line.split(">")[0].strip()
+        if line.startswith(("dask scheduler", "dask worker")):
+            commands.append(shlex.split(line))
+    return commands
+
+
+def _listen_count(procs) -> int:
+    """Listening inet sockets of the processes and their children."""
+    import psutil
+
+    count = 0
+    for p in procs:
+        try:
+            for q in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+                count += sum(c.status == psutil.CONN_LISTEN for c in q.net_connections("inet"))
+        except psutil.NoSuchProcess:
+            pass
+    return count
+
+
+def test_the_documented_cluster_commands_listen_on_127_0_0_1_only(tmp_path):
+    """docs/clusters.md says every process its commands start listens on 127.0.0.1 only (issue 26 item 7:
+    ``dask worker --host 127.0.0.1`` alone serves its HTTP port on 0.0.0.0). Run those commands and ask the OS
+    which addresses the scheduler, the nannies and the workers listen on."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from conftest import _free_port, wait_until
+
+    commands = _docs_cluster_commands(_free_port(), _free_port())
+    assert [c[:2] for c in commands] == [["dask", "scheduler"], ["dask", "worker"], ["dask", "worker"]], commands
+    script = os.path.join(os.path.dirname(sys.executable), "dask")
+    dask_cli = [script] if os.path.exists(script) else [sys.executable, "-m", "dask"]
+    procs = [subprocess.Popen([*dask_cli, *c[1:]], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for c in commands[:1]]
+    try:
+        time.sleep(1)
+        procs += [subprocess.Popen([*dask_cli, *c[1:]], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL) for c in commands[1:]]
+
+        def listening() -> dict[int, set[str]]:
+            found = {}
+            for p in procs:
+                for q in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+                    try:
+                        found[q.pid] = {c.laddr.ip for c in q.net_connections("inet")
+                                        if c.status == psutil.CONN_LISTEN}
+                    except psutil.NoSuchProcess:
+                        pass
+            return found
+
+        # the scheduler (comm, HTTP), two nannies (comm) and two workers (comm, HTTP): seven listening sockets
+        assert wait_until(lambda: _listen_count(procs) >= 7, 60), listening()
+        found = listening()
+        assert all(ips <= {"127.0.0.1"} for ips in found.values()), found
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
