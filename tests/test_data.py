@@ -333,3 +333,32 @@ def test_pipe_bad_arguments(mesh):
     small = dd.from_pandas(pd.DataFrame({"x": np.arange(6.0)}), npartitions=2)  # 3 rows per position
     with pytest.raises(ValueError, match=r"gets 3 rows .* fewer than batch_size=4: the pipe would have no batch"):
         dm.create_pipe(small, mesh, batch_size=4)
+
+
+def test_a_mesh_on_a_client_not_set_as_default_works_outside_with_mesh(monkeypatch):
+    """The mesh's own Client does every wait, not Dask's default one: none is set here (the module's other
+    clients hidden too), so a default-client wait would raise "No clients found"."""
+    import weakref
+
+    import distributed.client
+    from distributed import Client
+
+    from conftest import _cluster
+
+    monkeypatch.setattr(distributed.client, "_global_clients", weakref.WeakValueDictionary())
+    with _cluster(2) as cluster, Client(cluster, set_as_default=False) as own:
+        mesh = dm.attach(own, dims={"dp": 2}, comm_timeout=60)
+        try:
+            data = np.arange(24.0).reshape(12, 2)
+            t = dm.from_dask(da.from_array(data, chunks=(3, 2)), mesh)
+            assert np.array_equal(fetch(t, dp=1).numpy(), data[6:])
+            frame = dd.from_pandas(pd.DataFrame({"a": np.arange(8.0), "b": np.arange(8.0) * 2}), npartitions=4)
+            f = dm.from_dask(frame, mesh)
+            assert np.array_equal(fetch(f, dp=0).numpy(), frame.compute().to_numpy()[:4])
+            groups = [fetch(g, dp=0).numpy() for g in dm.iter_from_dask(da.from_array(data, chunks=(3, 2)), mesh,
+                                                                          partitions=1)]
+            assert np.array_equal(np.concatenate(groups), data[np.r_[0:3, 6:9]])
+            back = dm.to_dask(t)
+            assert np.array_equal(own.compute(back).result(timeout=TIMEOUT), data)
+        finally:
+            mesh.exit()

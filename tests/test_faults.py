@@ -205,3 +205,28 @@ def test_exit_with_several_unfetched_failures_names_them_all(client2):
     assert "and 2 other remote failures nobody fetched" in text
     for e in error.others:
         assert f"seq {e.seq}" in text
+
+
+def test_from_dask_waiting_on_a_killed_worker_raises_the_session_error(cli_cluster, client_of):
+    """A partition computed on rank 1's worker, which is SIGKILLed meanwhile: from_dask's wait wakes with the
+    session's error naming rank 1, not an empty TimeoutError after its whole timeout."""
+    import dask.array as da
+
+    def _slow_block(block, block_info=None):  # nested: pickled by value (the CLI workers cannot import this module)
+        if block_info[None]["chunk-location"][0] == 1:  # rank 1's rows: still computing when its worker is killed
+            time.sleep(120)
+        return block
+
+    client = client_of(cli_cluster)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, liveness_interval=0.5)
+    victim = mesh.workers[1]
+    victim_pid = client.run(os.getpid, workers=[victim])[victim]
+    threading.Timer(2.0, os.kill, (victim_pid, signal.SIGKILL)).start()
+    data = da.arange(8.0, chunks=4).map_blocks(_slow_block, dtype=float)
+    with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}"):
+        dm.from_dask(data, mesh, timeout=60)
+    try:
+        mesh.exit()
+    except Exception:
+        pass
+    client.wait_for_workers(2, timeout=60)

@@ -22,12 +22,13 @@ import warnings
 
 import numpy as np
 import torch
-from distributed import futures_of, wait
+from distributed import futures_of
 
 from ..controller.mesh import DeviceMesh
 from ..controller.remote import call_on_mesh, function_of
 from ..controller.tensor import Tensor
 from .tasks import TORCH_DTYPES, PartitionHomes, assemble, nrows, numpy_dtype_of, rows
+from .waits import wait_futures
 
 __all__ = ["from_dask", "start_from_dask", "PendingBlocks", "partitions_of", "mesh_dim"]
 
@@ -104,7 +105,7 @@ def torch_to_numpy(dtype, what: str) -> np.dtype:
         raise TypeError(f"{what}: {e}") from None
 
 
-def partitions_of(collection, client, what: str, timeout: float, homes: list | None = None):
+def partitions_of(collection, mesh: DeviceMesh, what: str, timeout: float, homes: list | None = None):
     """``(persisted, futures, row_counts, holders)``: the collection persisted on the cluster (a no-op for one
     already persisted), its partitions' futures in row order, their row counts (from the array's chunks, or an
     ``nrows`` task per holder, pinned there: only the counts reach the controller), and the workers
@@ -115,13 +116,14 @@ def partitions_of(collection, client, what: str, timeout: float, homes: list | N
     holding its middle row when the partitions are of one size), a strict ``dask.annotate(workers=...)``
     restriction so that work stealing does not move it away: the rows are made where they are read instead of
     moving there. Raises the first partition's failure, and ``TimeoutError`` after ``timeout`` seconds."""
-    return finish_partitions(start_partitions(collection, client, homes), client, what, timeout)
+    return finish_partitions(start_partitions(collection, mesh, homes), mesh, what, timeout)
 
 
-def start_partitions(collection, client, homes: list | None = None) -> tuple:
+def start_partitions(collection, mesh: DeviceMesh, homes: list | None = None) -> tuple:
     """The first half of ``partitions_of``, which waits for nothing: the collection persisted (placed by
     ``homes``) and, where the holders are known already, the ``nrows`` tasks submitted. Returns what
     ``finish_partitions`` takes."""
+    client = mesh.client
     persisted, holders = _persist(collection, client, homes)
     futures = sorted(futures_of(persisted), key=lambda f: f.key[1:])
     if _is_array(persisted) and not any(np.isnan(c) for c in persisted.chunks[0]):
@@ -130,52 +132,56 @@ def start_partitions(collection, client, homes: list | None = None) -> tuple:
     return persisted, futures, holders, None, counts
 
 
-def finish_partitions(started: tuple, client, what: str, timeout: float) -> tuple:
+def finish_partitions(started: tuple, mesh: DeviceMesh, what: str, timeout: float) -> tuple:
     """The second half of ``partitions_of``: waits (at most ``timeout`` seconds each) for the partitions of
     ``start_partitions`` and their row counts; returns ``(persisted, futures, row_counts, holders)``."""
     persisted, futures, holders, known, counts = started
+    client = mesh.client
     if known is not None:
-        _wait_all(futures, what, timeout)
+        _wait_all(mesh, futures, what, timeout)
         return persisted, futures, known, holders
     if counts is None:
-        _wait_all(futures, what, timeout)
+        _wait_all(mesh, futures, what, timeout)
         holders = client.who_has(futures)
         counts = _count_rows(client, futures, holders)
-    return persisted, futures, _gather_counts(client, counts, len(futures), what, timeout), holders
+    return persisted, futures, _gather_counts(mesh, counts, len(futures), what, timeout), holders
 
 
 def _count_rows(client, futures: list, holders: dict) -> list:
-    """``(task, indices)`` pairs: an ``nrows`` task per worker holding partitions, pinned there, counting the rows of
-    those (``futures[i]`` for i in ``indices``; only the counts move)."""
+    """``(task, indices, worker)`` triples: an ``nrows`` task per worker holding partitions, pinned there, counting
+    the rows of those (``futures[i]`` for i in ``indices``; only the counts move)."""
     on = {}
     for i, f in enumerate(futures):
         on.setdefault(sorted(holders[f.key])[0], []).append(i)
     return [(client.submit(nrows, *(futures[i] for i in indices), workers=[worker], allow_other_workers=False,
-                           pure=False, key=f"monarch-nrows-{uuid.uuid4().hex[:12]}"), indices)
+                           pure=False, key=f"monarch-nrows-{uuid.uuid4().hex[:12]}"), indices, worker)
             for worker, indices in on.items()]
 
 
-def _gather_counts(client, counts: list, n: int, what: str, timeout: float) -> list:
+def _gather_counts(mesh: DeviceMesh, counts: list, n: int, what: str, timeout: float) -> list:
     """The row count of each of the ``n`` partitions, from ``_count_rows``'s tasks (waited for at most
     ``timeout`` seconds: a partition's failure fails its task with that error)."""
-    tasks = [task for task, _ in counts]
-    done, pending = wait(tasks, timeout=timeout)
-    if pending:
-        late = sorted(i for task, indices in counts if task in pending for i in indices)
-        raise TimeoutError(f"{what}: partitions {late} (of {n}) were not computed and counted within {timeout} s")
+    tasks = [task for task, _, _ in counts]
+
+    def names(pending):
+        late = sorted(i for task, indices, _ in counts if task in pending for i in indices)
+        where = sorted({worker for task, _, worker in counts if task in pending})
+        return f"partitions {late} (of {n}) were not computed and counted (on {', '.join(where)})"
+
+    wait_futures(mesh, tasks, timeout, what, names)
     found = [0] * n
-    for task, indices in counts:  # each a bounded gather (Future.result), raising the partition's own error
-        for i, value in zip(indices, task.result(timeout=timeout)):
+    values = mesh.client.gather(tasks)  # all done: raises the first partition's own error
+    for (_, indices, _), answer in zip(counts, values):
+        for i, value in zip(indices, answer):
             found[i] = int(value)
     return found
 
 
-def _wait_all(futures: list, what: str, timeout: float) -> None:
+def _wait_all(mesh: DeviceMesh, futures: list, what: str, timeout: float) -> None:
     """Wait for ``futures`` (partitions, or tasks of one each) for at most ``timeout`` seconds; raises the first
     one's failure, or ``TimeoutError`` saying how many were not done."""
-    done, pending = wait(futures, timeout=timeout, return_when="ALL_COMPLETED") if futures else ((), ())
-    if pending:
-        raise TimeoutError(f"{what}: {len(pending)} of {len(futures)} partitions were not computed within {timeout} s")
+    wait_futures(mesh, futures, timeout, what,
+                 lambda pending: f"{len(pending)} of {len(futures)} partitions were not computed")
     for f in futures:
         if f.status == "error":
             f.result()  # raises the partition's own error
@@ -292,7 +298,7 @@ def start_from_dask(collection, mesh: DeviceMesh, dim: str | None = None, *, col
     if pad is not None:
         _check_pad(pad, np_dtype, what)
     collection = project(collection, columns_sent)
-    started = start_partitions(collection, mesh.client, homes=position_homes(mesh, dim))
+    started = start_partitions(collection, mesh, homes=position_homes(mesh, dim))
     return PendingBlocks(mesh, dim, started, np_dtype, rest, columns_sent, pad, drop_remainder, timeout, what,
                          early)
 
@@ -312,7 +318,7 @@ class PendingBlocks:
         self._lock = threading.Lock()
         self._planned = None  # (token, shape, the assemble futures by rank), once submitted
         if early and started[4]:  # the counts are asked for: plan as soon as they are in
-            tasks = [task for task, _ in started[4]]
+            tasks = [task for task, _, _ in started[4]]
             threading.Thread(target=self._plan_when_counted, args=(tasks,), daemon=True,
                              name=f"monarch-{what}-plan").start()
 
@@ -320,7 +326,7 @@ class PendingBlocks:
         """Wait for the count ``tasks``, then submit the assembly, unless a count failed, the call was given up or
         ``result()`` got there first (it then plans itself and raises what is wrong). Never raises."""
         try:
-            wait(tasks, timeout=self.timeout)
+            wait_futures(self.mesh, tasks, self.timeout, self.what, lambda pending: "row counts")
             if all(task.status == "finished" for task in tasks):
                 with self._lock:
                     if self._planned is None and self.started is not None:
@@ -337,7 +343,7 @@ class PendingBlocks:
         """``(token, shape, assemble futures by rank)``: the counts waited for, the rows laid out, the assembly
         submitted. Raises ``from_dask``'s errors."""
         mesh, dim, what, client = self.mesh, self.dim, self.what, self.mesh.client
-        _, futures, counts, holders = finish_partitions(self.started, client, what, self.timeout)
+        _, futures, counts, holders = finish_partitions(self.started, mesh, what, self.timeout)
         total = sum(counts)
         size = mesh.size(dim)
         if total % size and not self.drop_remainder and self.pad is None:
@@ -376,11 +382,12 @@ class PendingBlocks:
                 self.started = None
         token, shape, blocks = planned
         mesh, what = self.mesh, self.what
-        done, pending = wait(list(blocks.values()), timeout=self.timeout)
-        if pending:
-            late = sorted(r for r, f in blocks.items() if f in pending)
-            raise TimeoutError(f"{what}: the blocks of ranks {late} were not assembled on their workers within "
-                               f"{self.timeout} s")
+
+        def names(pending):
+            late = ", ".join(f"rank {r} ({mesh.workers[r]})" for r, f in blocks.items() if f in pending)
+            return f"the blocks of {late} were not assembled on their workers"
+
+        wait_futures(mesh, list(blocks.values()), self.timeout, what, names)
         for rank, f in blocks.items():
             if f.status == "error":
                 f.result()

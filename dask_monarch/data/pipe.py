@@ -341,7 +341,7 @@ def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefe
         rest = (len(columns_sent),)
     if columns_sent is not None:
         source = project(source, columns_sent + ([label] if label is not None and label not in columns_sent else []))
-    _, futures, counts, _ = partitions_of(source, mesh.client, what, timeout, homes=position_homes(mesh, dim))
+    _, futures, counts, _ = partitions_of(source, mesh, what, timeout, homes=position_homes(mesh, dim))
     size = mesh.size(dim)
     positions = _ranks_along(mesh, dim)
     by_position = assign(counts, size)
