@@ -66,6 +66,20 @@ def _local_ranks(workers: list[str]) -> list[int]:
     return local
 
 
+def _local_world_size(workers: list[str], local_ranks: list[int], rank: int) -> int:
+    """How many of the session's ranks share ``rank``'s host (``LOCAL_WORLD_SIZE``)."""
+    from distributed.comm import get_address_host
+
+    def host(address):
+        try:
+            return get_address_host(address)
+        except Exception:
+            return address
+
+    mine = host(workers[rank])
+    return sum(1 for a in workers if host(a) == mine)
+
+
 class Session(Transport, Bookkeeping, Liveness):
     """One controller session over ``workers`` (Dask worker address per rank) on ``client``.
 
@@ -155,9 +169,13 @@ class Session(Transport, Bookkeeping, Liveness):
         # stuck_after: how long a rank may be busy on one message before the dashboard flags it and shows its stacks
         options = {"comm_timeout": float(comm_timeout), "stuck_after": float(stuck_after)}
         # each rank's tasks name the worker process they are for: one restarted at the same address refuses them
+        local_ranks = _local_ranks(self.workers)
         self.params = [
-            SessionParams(self.id, r, self.world_size, {**options, "local_rank": local, "worker_id": ids.get(a)})
-            for r, (a, local) in enumerate(zip(self.workers, _local_ranks(self.workers)))
+            SessionParams(self.id, r, self.world_size, {
+                **options, "local_rank": local, "local_world_size": _local_world_size(self.workers, local_ranks, r),
+                "worker_id": ids.get(a),
+            })
+            for r, (a, local) in enumerate(zip(self.workers, local_ranks))
         ]
         self._all = tuple(range(self.world_size))
         self.failure: SessionError | None = None

@@ -64,7 +64,7 @@ from .errors import FatalError
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
 from .process_group import ProcessGroups, unregister
-from . import exports, imports, pipe
+from . import environment, exports, imports, pipe
 from .recording import Definitions
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
@@ -176,6 +176,9 @@ class TensorWorker(CommHandlers):
             SetRefUnitTestsOnly: self.set_ref_unit_tests_only,
             GetRefUnitTestsOnly: self.get_ref_unit_tests_only,
         }
+        local_rank = int(options.get("local_rank", 0))  # RANK, LOCAL_RANK, ... in os.environ (worker/environment.py)
+        environment.enter_session(session_id, rank, world_size, local_rank,
+                                  int(options.get("local_world_size", local_rank + 1)))
         self.thread = threading.Thread(target=self._run, name=f"monarch-{session_tag(session_id)}-dispatch",
                                        daemon=True)
         self.thread.start()
@@ -328,6 +331,7 @@ class TensorWorker(CommHandlers):
         pipe.release_session(self.session_id)
         exports.release_session(self.session_id)
         imports.release_session(self.session_id)
+        environment.leave_session(self.session_id)
         self.streams = {}
         self.device_meshes = {}
         self.borrows = {}
