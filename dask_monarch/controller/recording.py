@@ -136,7 +136,7 @@ class Recorder:
         if kind is CallFunction:
             args, kwargs = tree_map(_as_ref, (msg.args_kwargs.args, msg.args_kwargs.kwargs))
             msg = CallFunction(msg.seq, msg.results, msg.mutates, msg.function, ArgsKwargs(tuple(args), kwargs),
-                               msg.stream, msg.remote_process_groups)
+                               msg.stream, msg.remote_process_groups, msg.declared)
         elif kind is BorrowCreate:
             self.borrow_order[msg.borrow] = len(self.borrow_order)
         self.messages.append((targets, msg))

@@ -132,7 +132,7 @@ class Remote:
 
     def __call__(self, *args, **kwargs):
         learn = self._propagate is None or self._propagate == "cached"
-        return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs, learn=learn)
+        return call_on_mesh(self.function, self.__name__, self._shapes_of, args, kwargs, learn=learn, check=True)
 
     def call(self, *args, **kwargs):
         """Run the function on every rank of the mesh and fetch what each returns (Monarch's ``Remote.call``): a
@@ -174,7 +174,8 @@ class Remote:
         return f"remote({self._fn!r})"
 
 
-def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None, learn: bool = False):
+def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None, learn: bool = False,
+                 check: bool = False):
     """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
     every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
 
@@ -186,7 +187,9 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     call with the same input metadata makes its outputs from the first one's ``Plan`` (``propagation.py``),
     without running ``shapes`` (for a torch op whose outputs view no input, also with its inputs at other storage
     offsets). ``learn``: ``shapes`` runs the function itself, so where it raises the outputs are learned on the
-    mesh's first rank instead (``cached_propagation.py``). The mesh is the remote tensors' mesh, else ``mesh``, else
+    mesh's first rank instead (``cached_propagation.py``). ``check``: each rank checks that every tensor output
+    has the propagated dtype and shape (``CallFunction.declared``), else that call fails with a ``RemoteException``
+    naming the output, declared against returned. The mesh is the remote tensors' mesh, else ``mesh``, else
     the active mesh; the stream is the active stream (``controller/stream.py``: its checks run before anything is
     sent).
     """
@@ -209,8 +212,8 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
             if plan is not None:
                 groups = _groups_in(args, kwargs) if plan.groups else ()
                 if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
-                    return _issue(plan, function, name, args, kwargs, inputs, mesh, groups)
-    return _call(function, name, shapes, args, kwargs, mesh, op, key, learn)
+                    return _issue(plan, function, name, args, kwargs, inputs, mesh, groups, check)
+    return _call(function, name, shapes, args, kwargs, mesh, op, key, learn, check)
 
 
 def _groups_in(args: tuple, kwargs: dict) -> list:
@@ -218,9 +221,11 @@ def _groups_in(args: tuple, kwargs: dict) -> list:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteProcessGroup)]
 
 
-def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=()):
+def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=(),
+           check: bool = False):
     """Send the ``CallFunction`` of a call whose outputs ``plan`` describes, with the process groups ``groups``
-    among its arguments (each split on the call's stream first); returns its result."""
+    among its arguments (each split on the call's stream first); returns its result. ``check``: send the
+    outputs' declared dtypes and shapes."""
     session = mesh._session
     stream = get_active_stream()
     with session.lock:
@@ -233,6 +238,7 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written) if written else ()
         results, values, new = [], [], []
+        declared = [] if check else None
         for step in plan.steps:
             kind = step[0]
             if kind == TENSOR:
@@ -245,15 +251,20 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
                 results.append(t.ref)
                 values.append(t)
                 new.append(t)
+                if check:
+                    declared.append((meta[3], tuple(meta[0])))
             else:
                 results.append(None)
                 values.append(inputs[step[1]] if kind == INPUT else step[1])
+                if check:
+                    declared.append(None)
         for group in groups:  # its communicator on this stream is built on its ranks before the call
             group.ensure_split(stream_ref)
         seq = session.new_seq()
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
             seq, results, tuple([t.ref for t in mutates]) if mutates else (), function,
             ArgsKwargs(tuple(args), dict(kwargs)), stream_ref, tuple([g.ref for g in groups]) if groups else (),
+            tuple(declared) if check else None,
         )
         session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
@@ -273,7 +284,7 @@ def _fakes(leaves: list, session) -> list:
     return fakes
 
 
-def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool):
+def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool, check: bool = False):
     """``call_on_mesh`` without a plan: check the arguments, run ``shapes`` on fakes (or, where that raises and
     ``learn``, learn the outputs on the mesh's first rank), record a plan if the call can be cached (``key``), and
     send the call."""
@@ -307,7 +318,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool)
     with session.lock:
         if plan is not None:
             plan.groups = bool(groups)
-            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups)
+            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups, check)
         written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written)
@@ -319,10 +330,16 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool)
         message = CallFunction(
             seq, results, tuple(t.ref for t in mutates), function, ArgsKwargs(tuple(sent_args), dict(sent_kwargs)),
             stream_ref, tuple(g.ref for g in groups) if groups else (),
+            _declared(results, values) if check else None,
         )
         session.record(seq, defs=new + mutates, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
     return tree_unflatten(values, out_spec)
+
+
+def _declared(results: list, values: list) -> tuple:
+    """``CallFunction.declared`` for a call's result refs and values: ``(dtype, shape)`` of each new tensor."""
+    return tuple(None if ref is None else (v.dtype, tuple(v.shape)) for ref, v in zip(results, values))
 
 
 def remote_outputs(out, inputs: list, session, mesh, stream, name: str) -> tuple:

@@ -11,6 +11,8 @@ import dataclasses
 import operator
 from dataclasses import dataclass
 
+import torch
+
 from .function import Cloudpickle, FunctionPath
 from .refs import Ref, StreamRef
 from .slice import Slice
@@ -122,6 +124,21 @@ def _broker_id(where, v):
         _fail(where, "a (str, int) broker id", v)
 
 
+def _ok_declared(v) -> bool:
+    if type(v) is not tuple:
+        return False
+    for d in v:
+        if d is not None and not (type(d) is tuple and len(d) == 2 and type(d[0]) is torch.dtype
+                                  and type(d[1]) is tuple and all(type(n) is int and n >= 0 for n in d[1])):
+            return False
+    return True
+
+
+def _declared(where, v):
+    if not _ok_declared(v):
+        _fail(where, "None or a tuple of None or (torch.dtype, shape tuple of int) per result", v)
+
+
 def nested(cls) -> None:
     """Let a field annotated with ``cls``'s name hold a validated ``cls`` (a message dataclass made by ``message``
     that travels inside another one, such as ``ActorCallParams``)."""
@@ -188,6 +205,7 @@ _CHECKS = {
     "ExitError": (_ok_exit_error, _exit_error),
     "BrokerId": (lambda v: isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and _is_u64(v[1]), _broker_id),
     "WorkerError": (_ok_instance(WorkerError), _instance(WorkerError)),
+    "Optional[Declared]": (lambda v: v is None or _ok_declared(v), _opt(_declared)),
 }
 
 _FIELD_CHECKS: dict[type, tuple] = {}
@@ -217,7 +235,8 @@ def call_function_ok(m) -> bool:
             for r in (*mutates, *groups):
                 if type(r) is not Ref:
                     return False
-            return True
+            declared = m.declared
+            return declared is None or (_ok_declared(declared) and len(declared) == len(results))
     return False
 
 

@@ -84,7 +84,9 @@ class BackendNetworkPointToPointInit(_Validated):
 @_message
 class CallFunction(_Validated):
     """Call ``function(*args, **kwargs)`` on ``stream``; store the flattened result's leaves in ``results``
-    (spec §2 "Computation")."""
+    (spec §2 "Computation"). ``declared``, if not None, has one entry per result: ``None`` (not checked) or the
+    ``(dtype, shape)`` the controller propagated for that output; a leaf that is not a tensor of that dtype and
+    shape fails the call (its results and mutated refs take the error; ``worker/result_checks.py``)."""
 
     seq: Seq
     results: list[Optional[Ref]]
@@ -93,6 +95,7 @@ class CallFunction(_Validated):
     args_kwargs: ArgsKwargs
     stream: StreamRef
     remote_process_groups: list[Ref]
+    declared: Optional[Declared] = None
 
     def __post_init__(self):
         if not call_function_ok(self):

@@ -17,6 +17,7 @@ import torch
 from ..protocol import FunctionPath, PickledValue, Ref, resolve_function
 from ..protocol.function import TEST_PANIC
 from .errors import DependentError, FatalError, SeqError, ValueFailure
+from .result_checks import mismatch
 from torch.utils._pytree import tree_flatten
 
 from .stream import _PLAIN, _leaves, _load_argument
@@ -164,6 +165,12 @@ class Call:
         kwargs = {k: self._value(spec, stream, env) for k, spec in self.kwargs.items()}
         out = self.fn(*args, **kwargs)
         results = self.results
+        declared = self.msg.declared
+        if declared is not None:
+            leaves = [out] if type(out) is _TENSOR else _leaves(out)
+            text = mismatch(declared, leaves, self.msg.function) if len(leaves) == len(results) else None
+            if text is not None:
+                raise ValueFailure(text)
         if len(results) == 1 and type(out) is _TENSOR:
             if results[0] is not None:
                 env[results[0].id] = out

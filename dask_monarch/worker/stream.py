@@ -43,6 +43,7 @@ from .device import pin
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .inbox import load_segment
 from .reduce import ReduceHandler
+from .result_checks import mismatch
 from . import pipe
 from .context import _local
 
@@ -393,6 +394,12 @@ class StreamWorker(ReduceHandler):
             args, kwargs = self._resolve_args(msg.args_kwargs, True, groups)
             out = fn(*args, **kwargs)
             results = msg.results
+            declared = msg.declared
+            if declared is not None:
+                leaves = [out] if type(out) is torch.Tensor else _leaves(out)
+                text = mismatch(declared, leaves, function) if len(leaves) == len(results) else None
+                if text is not None:
+                    raise ValueFailure(text)
             if type(out) is torch.Tensor and len(results) == 1:  # the common case, without flattening
                 ref = results[0]
                 if ref is not None:
