@@ -362,3 +362,25 @@ def test_a_mesh_on_a_client_not_set_as_default_works_outside_with_mesh(monkeypat
             assert np.array_equal(own.compute(back).result(timeout=TIMEOUT), data)
         finally:
             mesh.exit()
+
+
+def test_pipe_over_fewer_partitions_than_ranks(client4):
+    """A collection of fewer partitions than ranks is cut so that every position gets rows (4 ranks here)."""
+    mesh = dm.attach(client4, dims={"dp": 4}, comm_timeout=60)
+    try:
+        df = pd.DataFrame({"x": np.arange(32, dtype=np.float32), "y": np.arange(32) % 5})
+        pipe = dm.create_pipe(dd.from_pandas(df, npartitions=2), mesh, batch_size=4, label="y", prefetch=1)
+        assert len(pipe) >= 1  # every position gets rows (Dask's repartition cuts them about evenly)
+        with mesh.activate():
+            batches = list(pipe)
+        firsts = [fetch(batches[0][0], dp=r)[:, 0].tolist() for r in range(4)]
+        assert sorted(x for f in firsts for x in f) == sorted(set(x for f in firsts for x in f))  # no row twice
+        assert all(len(f) == 4 for f in firsts)
+        one = dm.create_pipe(da.arange(8, chunks=8), mesh, batch_size=2)  # one chunk over 4 ranks
+        assert len(one) == 1
+        b = one.recv()
+        assert [fetch(b, dp=r).tolist() for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        with pytest.raises(ValueError, match=r"position \d of dimension 'dp' gets 0 rows"):
+            dm.create_pipe(dd.from_pandas(pd.DataFrame({"x": np.arange(3.0)}), npartitions=1), mesh, batch_size=1)
+    finally:
+        mesh.exit()

@@ -225,7 +225,9 @@ def create_pipe(source, mesh: DeviceMesh, *args, dim: str | None = None, batch_s
     collection is persisted (a DataFrame narrowed to the columns read; partitions not computed yet are computed on
     the worker of the position that reads them, as ``from_dask`` places them); the ranks at position i of ``dim`` (S ranks along it; every rank at a position reads
     the same partitions) read a contiguous run of partitions in order: those whose middle row lies in rows
-    ``[i * N / S, (i + 1) * N / S)`` of the N rows. Each batch is
+    ``[i * N / S, (i + 1) * N / S)`` of the N rows. With ``batch_size=``, a collection of fewer than S partitions
+    is first cut into S (``repartition(npartitions=S)``; an array: rechunked along axis 0), so that every
+    position gets rows even from a collection of one partition. Each batch is
     ``batch_size`` rows, cut across partitions (without ``batch_size``: one batch per partition, which must then
     all have the same row count, else ``ValueError``). A batch is a tensor of the array's rows, or of the
     DataFrame's ``columns`` (default: its numeric columns except ``label``) as a ``(rows, columns)`` tensor of
@@ -313,6 +315,20 @@ def assign(counts: list, size: int) -> dict:
     return out
 
 
+def _split_for(source, size: int):
+    """``source`` cut into ``size`` partitions when it has fewer (``batch_size=`` only: batches are cut across
+    partitions anyway), so that every position of a dimension of ``size`` ranks gets rows: a DataFrame by
+    ``repartition(npartitions=size)``, an array of known length by rechunking axis 0. Others are left as they are."""
+    if source.npartitions >= size:
+        return source
+    if _is_dataframe(source):
+        return source.repartition(npartitions=size)
+    n = source.shape[0]
+    if isinstance(n, (int, np.integer)) and n >= size:
+        return source.rechunk({0: -(-int(n) // size)})
+    return source
+
+
 def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefetch, timeout, device, stream, token):
     what = "create_pipe"
     dim = mesh_dim(mesh, dim, what)
@@ -341,8 +357,10 @@ def _collection_pipe(source, mesh, dim, batch_size, columns, label, dtype, prefe
         rest = (len(columns_sent),)
     if columns_sent is not None:
         source = project(source, columns_sent + ([label] if label is not None and label not in columns_sent else []))
-    _, futures, counts, _ = partitions_of(source, mesh, what, timeout, homes=position_homes(mesh, dim))
     size = mesh.size(dim)
+    if batch_size is not None:
+        source = _split_for(source, size)
+    _, futures, counts, _ = partitions_of(source, mesh, what, timeout, homes=position_homes(mesh, dim))
     positions = _ranks_along(mesh, dim)
     by_position = assign(counts, size)
     if batch_size is None:
