@@ -92,3 +92,17 @@ def test_matching_result(mesh1):
         x = torch.arange(5, dtype=torch.float32)
         assert fetch(good_result(x)).tolist() == [0.0, 2.0, 4.0]
         assert fetch(good_result(x)).tolist() == [0.0, 2.0, 4.0]  # from the cached plan
+
+
+def returns_object(x):
+    return ValueError("an opaque value")
+
+
+object_result = dm.remote(returns_object, propagate=_three)
+
+
+def test_opaque_object_is_a_value(mesh1):
+    """As in Monarch, a declared tensor may stand for an object that is not a plain value (a handle)."""
+    with mesh1.activate():
+        value = fetch(object_result(torch.ones(5)))
+    assert type(value) is ValueError and str(value) == "an opaque value"
