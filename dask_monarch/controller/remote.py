@@ -174,8 +174,7 @@ class Remote:
         return f"remote({self._fn!r})"
 
 
-def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None, learn: bool = False,
-                 check: bool = False):
+def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=None, op=None, learn=False, check=False):
     """Send one ``CallFunction`` of ``function`` with ``args``/``kwargs`` to a mesh and return its result with
     every tensor output a remote ``Tensor`` (spec §1 ``remote``, "Dispatch").
 
@@ -221,11 +220,9 @@ def _groups_in(args: tuple, kwargs: dict) -> list:
     return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteProcessGroup)]
 
 
-def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=(),
-           check: bool = False):
+def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=(), check=False):
     """Send the ``CallFunction`` of a call whose outputs ``plan`` describes, with the process groups ``groups``
-    among its arguments (each split on the call's stream first); returns its result. ``check``: send the
-    outputs' declared dtypes and shapes."""
+    among its arguments (each split on the call's stream first; ``check``: with the outputs' dtypes and shapes)."""
     session = mesh._session
     stream = get_active_stream()
     with session.lock:
