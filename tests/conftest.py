@@ -92,13 +92,18 @@ def _cli_cluster(tmp_path, worker_args=((), ()), worker_envs=None):
             ))
         yield address, procs
     finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
+
+
+def stop_processes(procs) -> None:
+    """Terminate ``procs`` (``subprocess.Popen``) last first, wait up to 20 s each, kill those still running."""
+    for p in procs[::-1]:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 @pytest.fixture

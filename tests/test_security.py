@@ -149,7 +149,7 @@ def test_the_documented_cluster_commands_listen_on_127_0_0_1_only(tmp_path):
     import time
 
     import psutil
-    from conftest import _free_port, wait_until
+    from conftest import _free_port, stop_processes, wait_until
 
     commands = _docs_cluster_commands(_free_port(), _free_port())
     assert [c[:2] for c in commands] == [["dask", "scheduler"], ["dask", "worker"], ["dask", "worker"]], commands
@@ -178,10 +178,4 @@ def test_the_documented_cluster_commands_listen_on_127_0_0_1_only(tmp_path):
         found = listening()
         assert all(ips <= {"127.0.0.1"} for ips in found.values()), found
     finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
