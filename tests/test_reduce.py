@@ -203,16 +203,20 @@ def test_integer_bitwise_reductions(mesh2x2):
     assert fetch(bits.reduce("gpu", "bxor"), host=1, gpu=0).item() == 0b1100
 
 
-def rank_dependent_shape(h, g):
-    return torch.ones(3 + int(g))  # gpu 1 holds 4 elements where the controller expects 3
+# Each makes gpu 1's tensor differ from what the controller believes (float32 of shape (3,)) where the worker's
+# check of a function's results cannot see it: in place, or as an object a declared tensor may stand for.
+def rank_dependent_shape(t, g):
+    if int(g) == 1:
+        t.resize_(4).fill_(1)
 
 
-def rank_dependent_dtype(h, g):
-    return torch.ones(3, dtype=torch.float32 if int(g) == 0 else torch.float64)
+def rank_dependent_dtype(t, g):
+    if int(g) == 1:
+        t.data = t.data.double()
 
 
-def rank_dependent_type(h, g):
-    return torch.ones(3) if int(g) == 0 else "not a tensor"
+def rank_dependent_type(t, g):
+    return t if int(g) == 0 else ValueError("not a tensor")
 
 
 @pytest.mark.parametrize(
@@ -220,14 +224,17 @@ def rank_dependent_type(h, g):
     [
         (rank_dependent_shape, r"has shape \[4\] and dtype torch.float32, but the controller expects shape \[3\]"),
         (rank_dependent_dtype, r"dtype torch.float64, but the controller expects shape \[3\] and dtype torch.float32"),
-        (rank_dependent_type, r"is a str, not a tensor"),
+        (rank_dependent_type, r"is a ValueError, not a tensor"),
     ],
 )
 def test_reduce_of_inputs_that_differ_across_ranks_is_a_clear_error_not_a_hang(mesh2x2, x, make, text):
     """gloo would wait for the peers until comm_timeout (60 s here) and then fail the session; instead the rank
     whose input does not match the controller's shape takes part with zeros, so nobody waits, and every rank's
     result carries the error (DESIGN.md "Decisions", as for an errored input)."""
-    bad = dm.remote(make, propagate=lambda h, g: torch.empty(3))(mesh2x2.rank("host"), mesh2x2.rank("gpu"))
+    with mesh2x2.activate():
+        t = torch.ones(3)
+    out = dm.remote(make, propagate=lambda t, g: t if make is rank_dependent_type else None)(t, mesh2x2.rank("gpu"))
+    bad = t if out is None else out
     start = time.monotonic()
     r = bad.reduce("gpu", "sum")
     for h, g in ((0, 0), (1, 1)):

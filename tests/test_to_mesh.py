@@ -307,14 +307,16 @@ def test_a_failure_upstream_reaches_a_fetch_downstream(mesh2x2):
     assert torch.equal(fetch(fine.to_mesh(host0)), torch.ones(2))  # the session goes on
 
 
-def uneven(h):
-    return torch.ones(3 if int(h) == 0 else 4)
+def uneven(t, h):
+    if int(h) == 1:
+        t.resize_(4).fill_(1)  # in place: the controller still believes t has shape (3,)
 
 
 def test_a_sender_whose_tensor_differs_from_the_controllers_shape_sends_zeros_and_fails_the_result(mesh2x2):
     host0, host1 = mesh2x2.slice(host=0), mesh2x2.slice(host=1)
     with mesh2x2.activate():
-        t = dm.remote(uneven, propagate=lambda h: torch.empty(3))(mesh2x2.rank("host"))
+        t = torch.ones(3)
+        dm.remote(uneven, propagate=lambda t, h: None)(t, mesh2x2.rank("host"))
     moved = t.slice_mesh(host=1).to_mesh(host0)  # host 1's tensors have 4 elements, the controller expects 3
     with pytest.raises(dm.RemoteException, match="has shape \\[4\\].*expects shape \\[3\\].*sent zeros"):
         fetch(moved)
