@@ -45,6 +45,9 @@ from .controller import (
 )
 from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
+from .opaque_ref import OpaqueRef
+from .opaque_object import OpaqueObject, opaque_method
+from .opaque_module import OpaqueModule
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 
 
@@ -71,6 +74,9 @@ __all__ = [
     "DeviceMesh",
     "MeshSliceTensor",
     "MonarchFuture",
+    "OpaqueModule",
+    "OpaqueObject",
+    "OpaqueRef",
     "Pipe",
     "RemoteException",
     "RemoteProcessGroup",
@@ -94,6 +100,7 @@ __all__ = [
     "iter_from_dask",
     "main_stream",
     "no_mesh",
+    "opaque_method",
     "reduce",
     "reduce_",
     "remote",

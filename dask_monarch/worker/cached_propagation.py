@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol.function import resolve_function
+from .opaque import is_key
 
 __all__ = ["describe_outputs"]
 
@@ -53,6 +54,10 @@ def describe_outputs(function, args, kwargs, inputs: list):
     storage's bytes), or ``("value", v)``; ``written`` the indices of ``inputs`` the function wrote. What the
     function raises is this fetch's error."""
     fn = resolve_function(function)
+    if any(is_key(t) for t in inputs):
+        raise TypeError("it takes an OpaqueRef, so its outputs cannot be learned by running it: not on the controller "
+                        "(the object is not there) nor once more on a rank (that would call into the object twice); "
+                        "give remote(..., propagate=...) a function returning the outputs' shapes")
     copies = _copies(inputs)
     args, kwargs = tree_map(lambda x: copies.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
     mine = [copies[id(t)] for t in inputs]

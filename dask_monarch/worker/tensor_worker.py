@@ -64,7 +64,7 @@ from .errors import FatalError
 from .inbox import Inbox, load_segment
 from .outbox import Outbox
 from .process_group import ProcessGroups, unregister
-from . import environment, exports, imports, pipe
+from . import environment, exports, imports, opaque, pipe
 from .recording import Definitions
 from .stream import StatusBarrier, StreamSegment, StreamWorker
 
@@ -329,6 +329,7 @@ class TensorWorker(CommHandlers):
         for mesh in list(self.device_meshes.values()):
             mesh.comms.clear()  # a remote function may have kept the mesh: not its communicators
         pipe.release_session(self.session_id)
+        opaque.release_session(self.session_id)  # the objects OpaqueRefs name, held or not by the controller
         exports.release_session(self.session_id)
         imports.release_session(self.session_id)
         environment.leave_session(self.session_id)
