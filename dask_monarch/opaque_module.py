@@ -175,6 +175,7 @@ class _Boundary(torch.autograd.Function):
             raise RuntimeError("OpaqueModule: backward through this call ran already (its graph on the workers is "
                                "freed after one backward)")
         grads = _backward_call(ctx.pattern)(closure, list(grad_outputs))
+        closure._key.drop()  # freed on the workers right after this call, before what the program sends next
         return (None,) * 6 + tuple(grads)
 
 

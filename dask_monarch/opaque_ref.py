@@ -21,7 +21,9 @@ leaf, so it travels through ``remote`` as any tensor result does: ``propagate`` 
 on fake tensors, its key is a fake one), the call's result is a remote ``Tensor`` holding every rank's key, and
 passing the handle to a call sends the key's ref, resolved on each rank to that rank's key. The object itself
 stays on its rank, in its session's table (``worker/opaque.py``), held until the controller drops its handle
-(the key's ``DeleteRefs``) or the session ends, whichever comes first.
+(the key's ``DeleteRefs`` goes before the next message sent after the handle died, so that what follows runs
+without the object, as in Monarch; a message not yet sent that uses the ref keeps the handle alive until it is)
+or the session ends, whichever comes first.
 
 ``ref.value`` (get and set) works inside remote functions and, for refs made there, inside ``propagate``
 functions; elsewhere on the controller it raises ``RuntimeError`` (the object is not there). A function that takes
@@ -41,6 +43,7 @@ from torch.utils._pytree import register_pytree_node
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .controller.local import is_propagating
+from .controller.tensor import Tensor
 from .worker.opaque import session_table
 
 __all__ = ["OpaqueRef"]
@@ -86,6 +89,8 @@ class OpaqueRef:
         """An instance of ``cls`` for ``key`` (a key tensor, a remote ``Tensor`` or a ``Ref``), without a new object."""
         ref = cls.__new__(cls)
         ref._key = key
+        if isinstance(key, Tensor):  # the controller's handle: its DeleteRefs goes before the next message
+            key._urgent_drop = True
         return ref
 
     def __init_subclass__(cls, **kwargs):

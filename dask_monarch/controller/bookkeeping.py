@@ -41,6 +41,9 @@ class Bookkeeping:
         self._borrowed = weakref.WeakValueDictionary()  # ``Storage`` of a borrow's tensor -> that borrow
         self._deferred: deque = deque()  # work the garbage collector left for the next send (Borrow.__del__)
         self._deletes: deque = deque()  # (targets tuple, ref id), appended from any thread (GC)
+        #: a dropped handle whose ``DeleteRefs`` goes before the next message, not with the next flush (an
+        #: ``OpaqueRef``'s key: its object is freed before anything sent after the drop runs, as Monarch frees it)
+        self._urgent_deletes = False
         #: the ``Recorder`` of a compiled function recording now (``controller/recording.py``): what its thread (and
         #: autograd's threads, which run a backward pass of CUDA tensors) sends meanwhile is captured instead
         self.recorder = None
@@ -143,11 +146,12 @@ class Bookkeeping:
             self.functions[seq] = what
         self.history.new_node(seq, [t.ref.id for t in defs], [t.ref.id for t in uses])
 
-    def drop_ref(self, ref_id: int, ranks=None) -> None:
-        """A controller-side handle died: free ``ref_id`` on ``ranks`` with the next flush (``DeleteRefs``).
-        Safe from any thread, including the garbage collector's. Inside ``coalescing()`` the delete waits for
-        the end of the block: the block's held messages may still use the ref (``BorrowLastUse`` of a dropped
-        borrow, an op on a tensor dropped after it), and a flush meanwhile would otherwise free it first."""
+    def drop_ref(self, ref_id: int, ranks=None, urgent: bool = False) -> None:
+        """A controller-side handle died: free ``ref_id`` on ``ranks`` with the next flush (``DeleteRefs``);
+        ``urgent``: before the next message sent (with the other deletes pending). Safe from any thread, including
+        the garbage collector's. Inside ``coalescing()`` the delete waits for the end of the block: the block's held
+        messages may still use the ref (``BorrowLastUse`` of a dropped borrow, an op on a tensor dropped after it),
+        and a flush meanwhile would otherwise free it first."""
         if self.closed:
             return
         targets = self._all if ranks is None else tuple(ranks)
@@ -159,6 +163,8 @@ class Bookkeeping:
             held.setdefault(self, []).append((targets, HeldDelete(ref_id)))
         else:
             self._deletes.append((targets, ref_id))
+            if urgent:
+                self._urgent_deletes = True
 
     def ensure_comm(self, mesh, mesh_ref: Ref, stream: StreamRef, dims) -> None:
         """Send ``BackendNetworkInit`` (once per session, to every rank) and ``SplitComm`` (once per mesh, stream

@@ -163,7 +163,7 @@ class Tensor(torch.Tensor):
         for alias in session.aliases_of([self]):
             if alias._dropped_at is None:
                 alias._dropped_at = where
-                alias.mesh._session.drop_ref(alias.ref.id, alias.mesh._rank_list)
+                alias.mesh._session.drop_ref(alias.ref.id, alias.mesh._rank_list, "_urgent_drop" in alias.__dict__)
 
     def check_usable(self) -> None:
         """``TypeError`` ("DROPPED", with where) if this tensor was dropped."""
@@ -181,7 +181,7 @@ class Tensor(torch.Tensor):
         try:
             if self._dropped_at is None:
                 mesh = self.mesh
-                mesh._session.drop_ref(self.ref.id, mesh._rank_list)
+                mesh._session.drop_ref(self.ref.id, mesh._rank_list, "_urgent_drop" in self.__dict__)
         except Exception:
             pass
 

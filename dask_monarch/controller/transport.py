@@ -103,6 +103,9 @@ class Transport:
         with self.lock:
             self.check_ok()
             was_empty = not self._buffer
+            if self._urgent_deletes:  # an OpaqueRef's handle was dropped: its object goes before what follows
+                self._urgent_deletes = False
+                self._buffer.extend(self._take_deletes())
             self._buffer.append((targets, message))
             if len(self._buffer) >= self.max_batch:
                 self._flush_locked(None)
