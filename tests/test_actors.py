@@ -161,6 +161,27 @@ def test_actor_with_tensors(mesh):
         assert adder.forward.call_one(y, dp=1).result(timeout=TIMEOUT).item() == 3.0
 
 
+class Picky:
+    def __init__(self, x):
+        if float(x) > 0.5:
+            raise ValueError(f"refusing {float(x)}")
+
+
+def test_a_constructor_given_mesh_tensors_gets_each_ranks_local_tensor(mesh):
+    """Monarch's test_actor_with_tensors, spawned under activate(): the constructor's argument is a mesh tensor, and
+    each rank's actor keeps that rank's local tensor, as it was after what was sent before the spawn."""
+    with mesh.activate():
+        state = torch.zeros(()) + mesh.rank("dp")
+        state.add_(1.0)  # sent before the spawn: each constructor sees it
+        adder = mesh.spawn("adder", AddWithState, state)  # Monarch's spawn(name, class, *args)
+        y = torch.ones(())
+        assert [v.item() for v in adder.forward.call(y).get(timeout=TIMEOUT).values()] == [2.0, 3.0]
+        state.add_(10.0)  # the actors hold the tensors they were given, updated in place like any alias
+        assert adder.forward.call_one(y, dp=1).result(timeout=TIMEOUT).item() == 13.0
+        with pytest.raises(RuntimeError, match=r"(?s)Picky\(...\) failed on rank 1 .*refusing 1.0"):
+            mesh.spawn(Picky, mesh.rank("dp") * 1.0)
+
+
 def test_actor_tensor_ordering(mesh):
     """§9 actor_tensor_ordering: calls with and without tensors reach the actor in the order they were made."""
     counter = mesh.spawn(Counter)
@@ -238,10 +259,6 @@ def test_an_actor_method_that_raises_is_one_root_failure_and_the_session_goes_on
 def test_bad_input_is_refused_at_the_call(mesh):
     with pytest.raises(TypeError, match="expected a class"):
         mesh.spawn(Counter())
-    with mesh.activate():
-        remote = torch.ones(())
-        with pytest.raises(TypeError, match="constructor runs outside the mesh"):
-            mesh.spawn(AddWithState, remote)
     counter = mesh.spawn(Counter)
     with pytest.raises(AttributeError, match="no method 'nope'"):
         counter.nope

@@ -38,7 +38,8 @@ import torch
 
 from ..exceptions import SessionError
 from ..protocol import ActorCallParams, ArgsKwargs, CallActorMethod, SendResultOfActorCall
-from ..worker.actors import construct
+from ..exceptions import RemoteException
+from ..worker.actors import INIT, construct, construct_later
 from .coalescing import refuse_wait
 from .fetch import _rank_of, collect
 from .local import propagating
@@ -97,41 +98,55 @@ def _letters(name: str) -> str:
 
 def spawn(mesh: DeviceMesh, cls, *args, **kwargs) -> "ActorMesh":
     """One Dask actor ``cls(*args, **kwargs)`` per rank of ``mesh``, each on its rank's worker; see
-    ``DeviceMesh.spawn``."""
+    ``DeviceMesh.spawn``. ``spawn("name", cls, *args)`` (Monarch's ``proc_mesh.spawn``) names the actors."""
+    name = None
+    if isinstance(cls, str) and args and isinstance(args[0], type):
+        name, cls, args = cls, args[0], args[1:]
     if not isinstance(cls, type):
         raise TypeError(f"spawn: expected a class, got {type(cls).__name__}")
-    for leaf in tree_flatten((args, kwargs))[0]:
-        if isinstance(leaf, (Tensor, DeviceMesh)):
-            raise TypeError(
-                f"spawn: a {type(leaf).__name__} among {cls.__qualname__}'s constructor arguments; the constructor "
-                "runs outside the mesh's streams: pass remote tensors (and meshes) to a method instead"
-            )
+    later = any(isinstance(leaf, (Tensor, DeviceMesh)) for leaf in tree_flatten((args, kwargs))[0])
     session = mesh._session
     session.check_ok()
     if session.recording() is not None:
         raise RuntimeError("spawn inside a compiled function: actors cannot be recorded")
-    base = f"monarch-{session.tag}-actor-{_letters(cls.__name__)}-{next(_counter)}"
+    base = f"monarch-{session.tag}-actor-{_letters(name or cls.__name__)}-{next(_counter)}"
     client = session.client
     # the class travels as remote() functions do (by path, or by value keeping its file names for tracebacks),
-    # and the constructor's arguments as a tuple and a dict, so no keyword of the class clashes with submit's own
-    cls_function = _picklable_parts(cls, args, kwargs)
+    # and the constructor's arguments as a tuple and a dict, so no keyword of the class clashes with submit's own;
+    # arguments that hold mesh tensors go with the constructor's call on the mesh's stream instead (_construct_on)
+    cls_function = _picklable_parts(cls, () if later else args, {} if later else kwargs)
     futures = {}
     try:
         for rank in mesh._rank_list:
-            futures[rank] = client.submit(construct, cls_function, args, kwargs, key=f"{base}-{rank}",
-                                          workers=[session.workers[rank]], allow_other_workers=False, actor=True,
-                                          pure=False)
+            task = (construct_later, cls_function) if later else (construct, cls_function, args, kwargs)
+            futures[rank] = client.submit(*task, key=f"{base}-{rank}", workers=[session.workers[rank]],
+                                          allow_other_workers=False, actor=True, pure=False)
             session.actor_futures.append(futures[rank])
         _wait_constructed(session, cls, futures)
         proxies = [futures[rank].result() for rank in mesh._rank_list]
+        # each Dask Actor proxy holds a future of its own key: the actor lives until that one is released too
+        held = list(futures.values()) + [p._future for p in proxies if getattr(p, "_future", None) is not None]
+        session.actor_futures.extend(held[len(futures):])
+        actors = ActorMesh(mesh, cls, base, held, proxies)
+        if later:
+            _construct_on(actors, args, kwargs)
     except BaseException:
         for fut in futures.values():
             fut.release()
         raise
-    # each Dask Actor proxy holds a future of its own key: the actor lives until that one is released too
-    held = list(futures.values()) + [p._future for p in proxies if getattr(p, "_future", None) is not None]
-    session.actor_futures.extend(held[len(futures):])
-    return ActorMesh(mesh, cls, base, held, proxies)
+    return actors
+
+
+def _construct_on(actors: "ActorMesh", args: tuple, kwargs: dict) -> None:
+    """Run the constructor of every rank's (still uninitialized) actor on the active stream, with each rank's local
+    tensors for the mesh tensors among ``args``/``kwargs`` (and the worker's ``DeviceMesh`` for a mesh), and wait
+    for it as ``_wait_constructed`` does. Raises ``RuntimeError`` naming the rank whose constructor raised."""
+    cls = actors.cls
+    future = Endpoint(actors, INIT, None, ())._ask(actors.mesh._rank_list, args, kwargs, one=False)
+    try:
+        future.result(timeout=float(dask.config.get("monarch.spawn-timeout", 300)))
+    except RemoteException as e:
+        raise RuntimeError(f"spawn: {cls.__qualname__}(...) failed on rank {e.rank} ({e.worker}):\n{e.backtrace}") from e
 
 
 def _picklable_parts(cls, args: tuple, kwargs: dict):

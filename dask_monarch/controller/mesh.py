@@ -2,7 +2,8 @@
 
 A mesh has named dimensions over a ``Slice`` of the session's global ranks. The mesh returned by
 ``dask_monarch.attach`` owns the session: ``exit()`` (or leaving its ``with`` block) ends it. ``slice`` gives
-sub-meshes that share the session.
+sub-meshes that share the session (and, as in Monarch, its ``exit``; ``mesh(host=0)`` is Monarch's deprecated
+spelling of ``mesh.slice(host=0)``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import warnings
 
 import torch
 
@@ -117,12 +119,14 @@ class DeviceMesh:
         if len(names) != len(ranks.sizes):
             raise ValueError(f"DeviceMesh: {len(names)} names {list(names)} for {len(ranks.sizes)} dims")
         if len(set(names)) != len(names):
-            raise ValueError(f"DeviceMesh: duplicate dimension names {list(names)}")
+            raise ValueError(f"DeviceMesh: Duplicate dimension names in {list(names)}: each dimension needs its own")
         self._session = session
         self.names = tuple(names)
         self.processes = ranks
         self._rank_list = tuple(ranks)
         self._owner = owner
+        #: the mesh ``attach`` returned, whose ``exit`` a mesh made from it (slice, split, ...) calls, as Monarch's do
+        self._root = self if owner else None
         self._ref: Ref | None = None
 
     # ------------------------------------------------------------------------------------------------ shape
@@ -187,7 +191,19 @@ class DeviceMesh:
         """Sub-mesh: ``dim=int`` removes the dim at that coordinate; ``dim=slice(...)`` keeps a range (step 1 or
         more). Raises ``KeyError`` for an unknown dim, ``IndexError`` for an out-of-range coordinate."""
         names, ranks = select(self.names, self.processes, selection, "mesh")
-        return DeviceMesh(self._session, names, ranks)
+        return self._derived(names, ranks)
+
+    def __call__(self, **selection) -> "DeviceMesh":
+        """``mesh(host=0)``: Monarch's deprecated spelling of ``mesh.slice(host=0)``; the same sub-mesh, with a
+        ``DeprecationWarning``."""
+        warnings.warn("mesh(...) is deprecated, as in Monarch: use mesh.slice(...)", DeprecationWarning, stacklevel=2)
+        return self.slice(**selection)
+
+    def _derived(self, names, ranks: Slice) -> "DeviceMesh":
+        """A mesh of the same session over ``ranks`` (dims ``names``) that exits as this one does."""
+        mesh = DeviceMesh(self._session, names, ranks)
+        mesh._root = self._root
+        return mesh
 
     def split(self, **splits) -> "DeviceMesh":
         """Split dimensions: ``split(host=("dp", "pp"), pp=4)`` replaces ``host`` by ``dp`` x ``pp`` (row-major),
@@ -209,12 +225,14 @@ class DeviceMesh:
             known = [sizes_given[p] for p in parts if p in sizes_given]
             missing = [p for p in parts if p not in sizes_given]
             if len(missing) > 1:
-                raise ValueError(f"split: give the sizes of all but one of {parts}, e.g. {missing[-1]}=...")
+                raise ValueError(f"split: Cannot infer sizes of {missing}: give the sizes of all but one of {parts}, "
+                                 f"e.g. {missing[-1]}=...")
             product = 1
             for k in known:
                 product *= k
             if product == 0 or size % product:
-                raise ValueError(f"split: {name} has size {size}, which {dict((p, sizes_given[p]) for p in parts if p in sizes_given)} do not divide")
+                given = {p: sizes_given[p] for p in parts if p in sizes_given}
+                raise ValueError(f"split: {name} has size {size}, which cannot be evenly divided by {given}")
             part_sizes = [sizes_given.get(p, size // product) for p in parts]
             if _product(part_sizes) != size:
                 raise ValueError(f"split: sizes {dict(zip(parts, part_sizes))} do not multiply to {name}'s size {size}")
@@ -229,15 +247,15 @@ class DeviceMesh:
             used.update(parts)
         extra = sorted(set(sizes_given) - used)
         if extra:
-            raise ValueError(f"split: sizes given for {extra}, which no split produces")
-        return DeviceMesh(self._session, names, Slice(self.processes.offset, sizes, strides))
+            raise ValueError(f"split: unused size constraints {extra}: no split produces these dimensions")
+        return self._derived(names, Slice(self.processes.offset, sizes, strides))
 
     def rename(self, **renames) -> "DeviceMesh":
         """The same mesh with dimensions renamed: ``rename(host="dp")``. Raises ``KeyError``/``ValueError``."""
         unknown = sorted(set(renames) - set(self.names))
         if unknown:
             raise KeyError(f"rename: {unknown} are not dimensions of this mesh; its dimensions are {list(self.names)}")
-        return DeviceMesh(self._session, [renames.get(n, n) for n in self.names], self.processes)
+        return self._derived([renames.get(n, n) for n in self.names], self.processes)
 
     def flatten(self, name: str) -> "DeviceMesh":
         """All dimensions as one named ``name``, row-major. ``ValueError`` "cannot flatten sparse mesh" unless the
@@ -245,7 +263,7 @@ class DeviceMesh:
         dense = Slice.new_row_major(self.processes.sizes, self.processes.offset)
         if dense.strides != self.processes.strides:
             raise ValueError(f"cannot flatten sparse mesh {self!r}")
-        return DeviceMesh(self._session, [name], Slice(self.processes.offset, [len(self._rank_list)], [1]))
+        return self._derived([name], Slice(self.processes.offset, [len(self._rank_list)], [1]))
 
     @property
     def ranks(self) -> dict:
@@ -263,8 +281,10 @@ class DeviceMesh:
         """One actor ``cls(*args, **kwargs)`` per rank of this mesh, a Dask actor on that rank's worker (Monarch's
         ``proc_mesh.spawn``; spec §2 ``SendResultOfActorCall``/``CallActorMethod``). Returns an ``ActorMesh``
         whose ``actors.method.call(...)``, ``.call_one(...)``, ``.rref(...)``, ... run the method on the ranks'
-        streams in order with the tensor messages around it (``controller/actors.py``). Waits until every
-        constructor ran; raises ``TypeError`` for a remote tensor among the constructor's arguments, and the
+        streams in order with the tensor messages around it (``controller/actors.py``). Remote tensors (or meshes)
+        among the constructor's arguments reach each rank's constructor as that rank's local tensors (the worker's
+        ``DeviceMesh``): it then runs on the active stream, after what was sent before. ``spawn("name", cls, ...)``
+        (Monarch's ``proc_mesh.spawn``) names the actors. Waits until every constructor ran; raises the
         constructor's error (``RuntimeError``, naming the rank) if it raised."""
         return frontend.spawn(self, cls, *args, **kwargs)
 
@@ -307,8 +327,10 @@ class DeviceMesh:
 
     # ---------------------------------------------------------------------------------------------- lifetime
     def exit(self, timeout: float | None = None) -> None:
-        """End the session (only the mesh returned by ``attach`` may): drain every rank, stop the tensor workers,
-        and close the embedded cluster if ``attach`` started one. Work still running on a rank (a long remote
+        """End the session: drain every rank, stop the tensor workers, and close the embedded cluster if ``attach``
+        started one. A mesh made from the one ``attach`` returned (``slice``, ``split``, ``rename``, ``flatten``)
+        ends the same session, as a Monarch sub-mesh shares its parent's ``exit``; once ended, ``exit()`` returns at
+        once. Work still running on a rank (a long remote
         function) is waited for as long as its worker keeps its heartbeat, up to ``timeout`` seconds (default: the
         session's ``exit_timeout``, ``attach(exit_timeout=...)`` or Dask config ``monarch.exit-timeout``, else 600
         s); after 5 s a WARNING (logger ``dask_monarch.controller``, on stderr by default) says once which rank it
@@ -318,7 +340,9 @@ class DeviceMesh:
         ``TimeoutError`` naming them and what they were busy on, and the session still ends on the workers: work
         still queued there is dropped."""
         if not self._owner:
-            raise RuntimeError("only the mesh returned by dask_monarch.attach() can exit the session")
+            if self._root is not None:
+                return self._root.exit(timeout)
+            raise RuntimeError("this mesh was not made from the mesh dask_monarch.attach() returned: it cannot exit")
         try:
             self._session.close(timeout=timeout)
         finally:

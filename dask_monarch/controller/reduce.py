@@ -56,7 +56,8 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
     tmesh = t.mesh
     dims = _dims(tmesh, dims)
     if len(dims) > 1 and (red is Reduction.Stack or scatter):
-        raise ValueError(f"reduce: {red.value}{' with scatter' if scatter else ''} works over one dimension, got {dims}")
+        raise ValueError(f"reduce: {red.value}{' with scatter' if scatter else ''} over {dims} is not valid for multiple "
+                         "dimensions: a stack or a scatter works over one dimension (reduce one dimension at a time)")
     n = math.prod(tmesh.sizes[d] for d in dims)
     shape = tuple(t.shape)
     if scatter and (not shape or shape[0] != n):
@@ -87,7 +88,8 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
         if out.mesh._rank_list != tmesh._rank_list:
             raise TypeError("WRONG_MESH: reduce: out is on a different mesh")
         if tuple(out.shape) != out_shape:
-            raise ValueError(f"Reduce expects the shape to be {list(out_shape)} but out has shape {list(out.shape)}")
+            raise ValueError(f"Reduce expects the shape to be {torch.Size(out_shape)} (the result's), but out has shape "
+                             f"{torch.Size(out.shape)}")
         if out.dtype != t.dtype:
             raise ValueError(f"Reduce expects out to have dtype {t.dtype}, got {out.dtype}")
     if t.requires_grad:

@@ -124,6 +124,15 @@ class Slice:
             coord.append(c)
         return self.offset + sum(c * s for c, s in zip(reversed(coord), self.strides))
 
+    def __getitem__(self, index):
+        """``s[i]``: the rank at row-major position ``i`` (negative from the end); ``s[a:b:c]``: those ranks as a
+        list (Monarch's ``NDSlice`` indexing). ``IndexError`` out of range, ``TypeError`` for another index."""
+        if isinstance(index, slice):
+            return [self.get(i) for i in range(*index.indices(len(self)))]
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"Slice indices must be integers or slices, not {type(index).__name__}")
+        return self.get(index + len(self) if index < 0 else index)
+
     def __contains__(self, value: int) -> bool:
         try:
             self.coordinates(value)

@@ -27,7 +27,11 @@ from ..protocol import CallActorMethod, FetchResult, PickledValue, ResolvableFun
 from .errors import DependentError, FatalError, ValueFailure
 from .stream import _leaves, _plain_tree, _to_cpu, store_results
 
-__all__ = ["ActorCallStep", "actor_key", "construct", "find_actor"]
+__all__ = ["ActorCallStep", "INIT", "actor_key", "construct", "construct_later", "find_actor"]
+
+#: the method of a constructor whose arguments hold mesh tensors: ``mesh.spawn`` sends it as an actor call, so that it
+#: runs on each rank's stream with that rank's local tensors (``construct_later`` made the instance)
+INIT = "__init__"
 
 _LOCKS_GUARD = threading.Lock()
 
@@ -37,6 +41,13 @@ def construct(cls: ResolvableFunction, args: tuple, kwargs: dict):
     resolved as a remote function is (spec §2 "Function paths": by path, or cloudpickled by value with its file
     names, so that a method's traceback names the user's file and line)."""
     return resolve_function(cls)(*args, **kwargs)
+
+
+def construct_later(cls: ResolvableFunction):
+    """``cls.__new__(cls)``: the actor task of ``mesh.spawn`` when the constructor's arguments hold mesh tensors; its
+    ``__init__`` then comes as an actor call (``INIT``) on the mesh's stream, with each rank's tensors."""
+    resolved = resolve_function(cls)
+    return resolved.__new__(resolved)
 
 
 def actor_key(broker_id: tuple, rank: int) -> str:
@@ -76,7 +87,7 @@ def _run_method(tw, key: str, instance, method: str, args, kwargs):
     """Call ``instance.method(*args, **kwargs)`` on this (the stream's) thread, with ``distributed.get_worker()``
     working inside as in a Dask actor method; a coroutine method runs on the Dask worker's event loop, and this
     thread waits for it."""
-    if not method.isidentifier() or method.startswith("__"):
+    if not method.isidentifier() or (method.startswith("__") and method != INIT):
         raise ValueFailure(f"actor {key}: {method!r} is not a method name an actor call may use")
     fn = getattr(instance, method, None)
     if fn is None or not callable(fn):

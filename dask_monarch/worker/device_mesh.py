@@ -21,12 +21,12 @@ class MeshError(ValueError):
 @dataclass(frozen=True)
 class Dim:
     """One dimension as seen from this rank: its ``name``, this rank's coordinate ``rank``, its ``size``, and the
-    global ranks along it through this rank (``members``, ascending coordinate order)."""
+    global ranks along it through this rank (``members``, ascending coordinate order; a list, as Monarch's)."""
 
     name: str
     rank: int
     size: int
-    members: tuple
+    members: list
 
 
 class DeviceMesh:
@@ -49,7 +49,7 @@ class DeviceMesh:
         self.dims: dict[str, Dim] = {}
         for name, size, stride, c in zip(names, ranks.sizes, ranks.strides, coords):
             start = me - stride * c
-            members = tuple(start + k * stride for k in range(size))
+            members = [start + k * stride for k in range(size)]
             assert members[c] == me
             self.dims[name] = Dim(name, c, size, members)
         self.all_ranks = list(ranks)

@@ -60,7 +60,7 @@ class Call:
         self.returns = None  # the op's return types, from its schema
         try:
             if type(msg.function) is FunctionPath and msg.function.path == TEST_PANIC:
-                self.error = FatalError(f"CallFunction {msg.seq}: {TEST_PANIC} asked the stream to fail")
+                self.error = FatalError(f"CallFunction {msg.seq}: {TEST_PANIC} called: it asks the stream to fail")
                 fn = None
             else:
                 fn = resolve_function(msg.function)

@@ -380,7 +380,7 @@ class StreamWorker(ReduceHandler):
         try:
             function = msg.function
             if type(function) is FunctionPath and function.path == TEST_PANIC:
-                raise FatalError(f"CallFunction seq {msg.seq}: {TEST_PANIC} asked the stream to fail")
+                raise FatalError(f"CallFunction seq {msg.seq}: {TEST_PANIC} called: it asks the stream to fail")
             try:
                 fn = resolve_function(function)
             except Exception as e:
