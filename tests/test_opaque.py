@@ -11,19 +11,7 @@ import torch
 import dask_monarch as dm
 from dask_monarch.opaque_module import OpaqueModule
 from dask_monarch.opaque_object import OpaqueObject, opaque_method
-
-TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def mesh(client2):
-    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
-    yield mesh
-    mesh.exit()
-
-
-def fetch(obj, **coords):
-    return dm.fetch_shard(obj, coords).result(timeout=TIMEOUT)
+from test_gradients import TIMEOUT, fetch, mesh  # noqa: F401 (mesh: a module-scoped {"dp": 2} mesh fixture)
 
 
 def live_objects() -> int:
