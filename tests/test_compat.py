@@ -38,9 +38,9 @@ def test_calling_a_mesh_is_the_deprecated_slice():
         row = mesh(a=0, b=0)
         every_other = mesh(c=slice(None, None, 2))
         pair = mesh(b=2, c=3)
-    assert row.names == ("c",) and row.processes[:] == [0, 1, 2, 3]  # members as lists, as Monarch's NDSlice
-    assert every_other.processes[:] == list(range(24))[::2]
-    assert pair.processes[:] == [11, 23] and pair.processes[-1] == 23
+    assert row.names == ("c",) and row.processes[:] == (0, 1, 2, 3)  # a tuple, as Monarch's NDSlice gives
+    assert every_other.processes[:] == tuple(range(24))[::2] == mesh.processes[::2]
+    assert pair.processes[:] == (11, 23) and pair.processes[-1] == 23
     assert pair.processes[:] == mesh.slice(b=2, c=3).processes[:]
 
 

@@ -126,9 +126,9 @@ class Slice:
 
     def __getitem__(self, index):
         """``s[i]``: the rank at row-major position ``i`` (negative from the end); ``s[a:b:c]``: those ranks as a
-        list (Monarch's ``NDSlice`` indexing). ``IndexError`` out of range, ``TypeError`` for another index."""
+        tuple (Monarch's ``NDSlice`` indexing). ``IndexError`` out of range, ``TypeError`` for another index."""
         if isinstance(index, slice):
-            return [self.get(i) for i in range(*index.indices(len(self)))]
+            return tuple(self.get(i) for i in range(*index.indices(len(self))))
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(f"Slice indices must be integers or slices, not {type(index).__name__}")
         return self.get(index + len(self) if index < 0 else index)
