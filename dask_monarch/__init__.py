@@ -40,12 +40,14 @@ from .controller import (
     reduce_,
     remote,
     report,
+    show,
     slice_mesh,
     to_mesh,
 )
 from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
 from .exceptions import RemoteException, SessionError
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
+from . import builtins, random  # noqa: F401 (Monarch's monarch.builtins and monarch.random)
 
 
 def dask_setup(server) -> None:
@@ -98,6 +100,7 @@ __all__ = [
     "reduce_",
     "remote",
     "report",
+    "show",
     "slice_mesh",
     "to_mesh",
     "to_dask",
