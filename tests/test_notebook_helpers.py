@@ -25,7 +25,7 @@ from dask_monarch.builtins.random import (
     set_rng_state_all_cuda_remote,
     set_rng_state_remote,
 )
-from dask_monarch.controller import table
+from dask_monarch.controller import debugger, table
 
 TIMEOUT = 120
 
@@ -215,20 +215,52 @@ def test_log_remote_logs_on_every_rank_at_the_level_set(mesh, caplog):
 # ----------------------------------------------------------------------------------------------- breakpoint()
 def stops_here(x):
     breakpoint()
+    y = x * 10
+    return y
+
+
+def sets_a_trace(x):
+    import pdb
+
+    pdb.set_trace()
     return x + 1
 
 
-def test_breakpoint_in_a_remote_function_is_a_clear_error_and_the_session_goes_on(mesh):
+def test_breakpoint_on_every_rank_is_driven_from_the_controller(mesh, monkeypatch, capsys):
+    typed = []
+
+    def terminal():  # what the user types at each prompt: look at x, step over a line, look at y, continue
+        commands = ["p x.tolist()", "n", "p y.tolist()", "c"]
+        line = commands[len(typed) % len(commands)]
+        typed.append(line)
+        return line
+
+    monkeypatch.setattr(debugger, "read_line", terminal)
+    with mesh.activate():
+        x = torch.ones(2) * mesh.rank(("host", "gpu"))
+        y = dm.remote(stops_here, propagate=lambda x: x.new_empty(x.shape))(x)
+        values = fetch(y.reduce("host", "stack").reduce("gpu", "stack"))  # waits: every rank's pdb is driven here
+    out = capsys.readouterr().out
+    assert values.tolist() == [[[0.0, 0.0], [20.0, 20.0]], [[10.0, 10.0], [30.0, 30.0]]]  # [gpu][host]
+    assert len(typed) == 16
+    for rank in range(4):
+        session = out.split(f"--- pdb on rank {rank} (worker {mesh.workers[rank]}) ---")[1].split("goes on ---")[0]
+        assert f"(Pdb rank {rank}) " in session and "-> y = x * 10" in session and "stops_here()" in session
+        assert f"[{float(rank)}, {float(rank)}]" in session  # p x.tolist()
+        assert f"[{10.0 * rank}, {10.0 * rank}]" in session  # p y.tolist(), after n
+    assert out.count("--- rank ") == 4
+
+
+def test_end_of_input_quits_pdb_on_the_rank_and_the_session_goes_on(mesh, monkeypatch, capsys):
+    def closed_stdin():
+        raise EOFError
+
+    monkeypatch.setattr(debugger, "read_line", closed_stdin)
     with mesh.activate():
         x = torch.ones(2)
-        y = dm.remote(stops_here, propagate=lambda x: x.new_empty(x.shape))(x)
-        with pytest.raises(dm.RemoteException, match=r"breakpoint\(\) in a remote function on rank \d "
-                                                     r"\(worker tcp://.*cannot open pdb on a rank"):
-            fetch(y)
-        import pdb
-
-        z = dm.remote(lambda x: (pdb.set_trace(), x)[1], propagate=lambda x: x.new_empty(x.shape))(x)
-        with pytest.raises(dm.RemoteException, match=r"pdb.set_trace\(\) in a remote function on rank \d \(worker"):
+        z = dm.remote(sets_a_trace, propagate=lambda x: x.new_empty(x.shape))(x)
+        with pytest.raises(dm.RemoteException, match="BdbQuit"):
             fetch(z, host=1, gpu=1)
         doubled = fetch(x * 2, host=1, gpu=1)
     assert torch.equal(doubled, torch.full((2,), 2.0))  # the session goes on
+    assert "-> return x + 1" in capsys.readouterr().out
