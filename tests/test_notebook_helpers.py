@@ -26,19 +26,7 @@ from dask_monarch.builtins.random import (
     set_rng_state_remote,
 )
 from dask_monarch.controller import debugger, table
-
-TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def mesh(client4):
-    mesh = dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=60)
-    yield mesh
-    mesh.exit()
-
-
-def fetch(obj, **coords):
-    return dm.fetch_shard(obj, coords).result(timeout=TIMEOUT)
+from test_remote_values import TIMEOUT, fetch, mesh  # noqa: F401 (mesh: a module-scoped 2x2 mesh of client4)
 
 
 def rows(text: str) -> list:
