@@ -163,10 +163,12 @@ def replay_graph(stream, call, run_plain) -> None:
     program.graph_calls += 1
     env = stream.env
     error = None
+    captured = False  # a capture runs every step on its own, in the ref table
     stream.replaying = call
     try:
         state = program.graph
         if state is None or not state.valid(env):
+            captured = True
             program.graph = None
             try:
                 state = program.graph = _capture(stream, call, program)
@@ -178,4 +180,4 @@ def replay_graph(stream, call, run_plain) -> None:
         error = _launch(state, stream, call, program)
     finally:
         stream.replaying = None
-        program.end(env, call, error)
+        program.end(env, call, error, everything=captured)

@@ -255,8 +255,9 @@ class _Builder:
         undropped = sorted(bid for bid, state in self.borrow_state.items() if state != "dropped")
         if undropped:
             self.fail(f"all borrows created within recording must be dropped within recording (live: {undropped})")
+        keep = {ref.id for tensor, result, _, _ in self.borrows.values() for ref in (tensor, result)}
         for program in self.programs.values():
-            program.finish(self.tw)
+            program.finish(self.tw, keep)
         programs = dict(sorted(self.programs.items()))
         return Recording(self.rid, programs, self.borrows, nresults, nformals)
 
