@@ -27,6 +27,7 @@ from ..protocol import Ref
 from .borrow import SessionOver
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .blocks import blockable, compile_block, failing_step
+from .inductor import compile_regions
 from .steps import BorrowStep, Call, Delete, Formal, ReduceStep, Result
 
 __all__ = ["Program", "replay"]
@@ -52,6 +53,8 @@ class Program:
         self.mutated_captures: tuple = ()
         self.graph = None  # the CUDA graph of this program, once captured (worker/graphs.py)
         self.graph_calls = 0
+        self.backend = ""  # "inductor": blocks compiled by torch.compile at the second replay (worker/inductor.py)
+        self.replays = 0
 
     def add(self, step, defines) -> None:
         """Append ``step``, which defines the refs ``defines``. A ref written twice (and not deleted in between)
@@ -210,6 +213,9 @@ def replay(stream, call) -> None:
     steps = program.steps
     env = stream.env
     error = None
+    if program.backend and program.replays == 1:  # after the first replay (the controller verified by then)
+        compile_regions(program, stream, call.recording)
+    program.replays += 1
     stream.replaying = call
     try:
         failure = _run(program, stream, env, call)
