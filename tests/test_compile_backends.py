@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dp_steps import dp_step, twin_mlps
 
 TIMEOUT = 120
 F = torch.nn.functional
@@ -52,29 +53,14 @@ def test_generated_replay_matches_eager(mesh1):
 
 
 def _train(mesh, backend):
-    def make_step(model, optimizer):
-        def step(xb, yb):
-            loss = F.cross_entropy(model(xb), yb)
-            optimizer.zero_grad()
-            loss.backward()
-            dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
-            optimizer.step()
-            return loss
-
-        return step
-
     with mesh.activate():
         dm.remote(torch.manual_seed, propagate="inspect")(0)
-        models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-                  for _ in range(2)]
-        with torch.no_grad():
-            for a, b in zip(*(m.parameters() for m in models)):
-                b.copy_(a)
+        models = twin_mlps()
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=True) for m in models]
         x = torch.randn(48, 16) + mesh.rank("dp")
         y = torch.randint(0, 4, (48,))
-        eager = make_step(models[0], optimizers[0])
-        compiled = dm.compile(make_step(models[1], optimizers[1]), warmup=1, backend=backend)
+        eager = dp_step(models[0], optimizers[0], "dp")
+        compiled = dm.compile(dp_step(models[1], optimizers[1], "dp"), warmup=1, backend=backend)
         losses = []
         for i in range(6):  # eager (warm-up), recorded, verified (Inductor compiles), replayed
             xb, yb = x[8 * i:8 * i + 8], y[8 * i:8 * i + 8]
