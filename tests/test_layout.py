@@ -25,7 +25,7 @@ ORDER = [
     "value_mesh",
     # the frontend
     "tensor", "stream", "functions", "remote", "dispatch", "reduce", "to_mesh", "fetch", "cached_propagation", "actors",
-    "recording", "compile", "gradients", "report",
+    "recording", "compile_notices", "compile", "gradients", "report",
     # the public entry points
     "attach", "__init__",
 ]
