@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dask_monarch.controller import compile_notices
 from dp_steps import dp_step, twin_mlps
 
 TIMEOUT = 120
@@ -128,6 +129,11 @@ def test_what_inductor_cannot_compile_replays_as_python_and_warns(mesh1):
         assert not [m for m in w if m.category is RuntimeWarning]  # once
     (text,) = caught
     assert "Inductor could not compile" in text and "on rank 0" in text and "Unsupported" in text
+    session = mesh1._session
+    assert session.id in compile_notices._sessions
+    mesh1.exit()  # the session's end drops what was kept for it, and its topic's subscription
+    assert session.id not in compile_notices._sessions
+    assert not [k for k in compile_notices._owners if k[0] == session.id]
     with dm.no_mesh.activate():
         for out in outs:
             y = (torch.ones(4) * 2 + 1).relu()

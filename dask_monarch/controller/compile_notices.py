@@ -31,20 +31,20 @@ def watch(recording, compiled) -> None:
     """Report what the ranks say about ``recording`` (made by ``compiled``) at ``compiled``'s next call."""
     session = recording.session
     with _lock:
-        for sid, other in list(_sessions.items()):
-            if other.closed:
-                _forget(sid, other)
         _owners[(session.id, recording.ref.id)] = weakref.ref(compiled)
         if session.id in _sessions:
             return
         _sessions[session.id] = session
+    session.on_stop.append(lambda: _forget(session.id, session))
     session.client.subscribe_topic(compile_topic(session.id), _handler(session.id))
 
 
 def _forget(sid: str, session) -> None:
-    del _sessions[sid]
-    for key in [k for k in _owners if k[0] == sid]:
-        del _owners[key]
+    """The session stopped: drop what was kept for it and end its subscription."""
+    with _lock:
+        _sessions.pop(sid, None)
+        for key in [k for k in _owners if k[0] == sid]:
+            del _owners[key]
     try:
         session.client.unsubscribe_topic(compile_topic(sid))
     except Exception:  # the client closed already
