@@ -9,13 +9,16 @@ and never waits until the final fetch; the script calls them directly with ``dis
     python bench/train_lm.py             # 8 layers, d_model 1024, 8 x 1024 tokens per GPU
     python bench/train_lm.py --quick
     python bench/train_lm.py --compiled  # the model as plain PyTorch under activate(), its step dm.compile'd
+    python bench/train_lm.py --compiled --backend inductor   # the recorded step compiled by Inductor per rank
 
 ``--compiled`` (issue 11): the same language model written as an ``nn.Module`` whose parameters live on the mesh,
 trained by a plain PyTorch step (bf16 autocast forward, ``loss.backward()``, ``reduce_`` avg of every gradient,
 ``torch.optim.SGD`` with momentum and ``foreach=True``, ``zero_grad``) wrapped in ``dm.compile``: each step is one ``CallRecording`` per
 rank (plus the ``CallFunction`` that makes its synthetic tokens). Against a plain ``torch.distributed`` script
 running the very same step with one ``all_reduce`` per gradient. One GPU is enough (1 rank against a 1-process
-script).
+script). The losses of the 50 timed steps are compared between the two (the curves must agree within bf16
+autocast's tolerance); ``--backend inductor`` (issue 27) has each rank compile the recorded step's runs of aten ops
+with ``torch.compile`` (Inductor), the gradient reduces left between them.
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def module_step(model, optimizer, reduce_grads):
 
 
 def _module_raw_worker(rank: int, world: int, cfg: tuple, steps: int) -> tuple:
+    """Steps/s of the plain eager script, its last loss, and its loss at each timed step (the curve)."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LM(*cfg[:4])
@@ -204,13 +208,14 @@ def _module_raw_worker(rank: int, world: int, cfg: tuple, steps: int) -> tuple:
         step(make_tokens(cfg, i, rank))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    losses = []
     for i in range(steps):
-        loss = step(make_tokens(cfg, 100 + i, rank))
-    loss = loss.item()
-    return steps / (time.perf_counter() - t0), loss
+        losses.append(step(make_tokens(cfg, 100 + i, rank)))
+    curve = torch.stack(losses).tolist()  # waits for the GPU
+    return steps / (time.perf_counter() - t0), curve[-1], curve
 
 
-def module_compiled(world: int, cfg: tuple, steps: int, cuda_graph: bool = False):
+def module_compiled(world: int, cfg: tuple, steps: int, cuda_graph: bool = False, backend: str | None = None):
     import dask_monarch as dm
 
     with dm.attach(dims={"dp": world}, comm_timeout=600) as mesh:
@@ -224,41 +229,53 @@ def module_compiled(world: int, cfg: tuple, steps: int, cuda_graph: bool = False
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
             rank = mesh.rank("dp")
             step = dm.compile(module_step(model, optimizer, lambda grads: dm.reduce_(grads, "dp", "avg")),
-                              warmup=1, cuda_graph=cuda_graph)
+                              warmup=1, cuda_graph=cuda_graph, backend=backend)
             t0 = time.perf_counter()
-            for i in range(4):  # eager (warm-up), recorded, verified (with cuda_graph: captured), replayed
+            # eager (warm-up), recorded, verified (Inductor compiles; with cuda_graph and no Inductor: captured),
+            # replayed (with both: captured), replayed
+            for i in range(5 if backend and cuda_graph else 4):
                 loss = step(tokens_of(cfg, i, rank))
         dm.inspect(loss)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
+        losses = []
         with mesh.activate():
             for i in range(steps):
-                loss = step(tokens_of(cfg, 100 + i, rank))
-        loss = dm.inspect(loss).item()
+                losses.append(step(tokens_of(cfg, 100 + i, rank)))
+        curve = [x.item() for x in dm.inspect(losses)]
         elapsed = time.perf_counter() - t0
     entries = [e for es in step._cache.values() for e in es if e.recording is not None]
     ops = len(entries[0].recording.describe.ops) if entries else 0
-    return steps / elapsed, loss, first, ops
+    return steps / elapsed, curve[-1], first, ops, curve
 
 
-def compiled_main(quick: bool, cuda_graph: bool = False) -> None:
+#: the loss curves of plain torch and of a compiled step agree within this (bf16 autocast: 8 bits of mantissa, and
+#: Inductor's fused kernels round in another order)
+BF16_RTOL = 2e-2
+
+
+def compiled_main(quick: bool, cuda_graph: bool = False, backend: str | None = None, steps: int | None = None) -> None:
     world = torch.cuda.device_count()
     if world < 1:
         raise SystemExit("needs a CUDA device")
     cfg = (32000, 512, 4, 8, 8, 512) if quick else (32000, 1024, 8, 16, 8, 1024)
-    steps = 10 if quick else 30
+    steps = steps or (10 if quick else 50)
     n_params = sum(p.numel() for p in _skeleton(cfg).parameters())
     _MODELS.clear()
-    base_rate, base_loss = run_ranks(_module_raw_worker, world, (cfg, steps), timeout=1200)
-    ours_rate, ours_loss, first, ops = module_compiled(world, cfg, steps, cuda_graph)
+    base_rate, base_loss, base_curve = run_ranks(_module_raw_worker, world, (cfg, steps), timeout=1200)
+    ours_rate, ours_loss, first, ops, curve = module_compiled(world, cfg, steps, cuda_graph, backend)
     print(f"\ntransformer LM as an nn.Module, compiled step, {world} x {torch.cuda.get_device_name(0)} "
           f"({n_params / 1e6:.0f}M parameters, {cfg[4]} x {cfg[5]} tokens per GPU, bf16 autocast; torch {torch.__version__})")
     print(f"{'':36}{'steps/s':>10}{'ms/step':>10}{'last loss':>11}")
     print(f"{'plain torch.distributed (Module)':36}{base_rate:>10.2f}{1e3 / base_rate:>10.1f}{base_loss:>11.4f}")
-    label = "dask_monarch, dm.compile" + (" (CUDA graph)" if cuda_graph else "")
+    label = "dask_monarch, dm.compile" + (" (Inductor)" if backend else "") + (" (CUDA graph)" if cuda_graph else "")
     print(f"{label:36}{ours_rate:>10.2f}{1e3 / ours_rate:>10.1f}{ours_loss:>11.4f}")
-    print(f"ratio (dask_monarch / plain): {ours_rate / base_rate:.3f}   (first 4 steps: eager, recorded, verified, "
+    print(f"ratio (dask_monarch / plain): {ours_rate / base_rate:.3f}   (first steps: eager, recorded, verified, "
           f"replayed: {first:.1f} s; the recording has {ops} operations a step)")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(curve, base_curve))
+    print(f"loss curve over {steps} steps: largest relative difference to plain torch {worst:.2e} "
+          f"(bf16 tolerance {BF16_RTOL:g}: {'equal' if worst <= BF16_RTOL else 'DIFFERENT'}); first "
+          f"{curve[0]:.4f} / {base_curve[0]:.4f}, last {curve[-1]:.4f} / {base_curve[-1]:.4f}")
     assert math.isfinite(ours_loss)
 
 
@@ -267,9 +284,12 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller model, fewer steps")
     parser.add_argument("--compiled", action="store_true", help="the model as plain PyTorch, its step compiled")
     parser.add_argument("--cuda-graph", action="store_true", help="with --compiled: replay the step as a CUDA graph")
+    parser.add_argument("--backend", default=None, choices=("inductor",),
+                        help="with --compiled: compile the recorded step with Inductor on each rank")
+    parser.add_argument("--steps", type=int, default=None, help="with --compiled: timed steps (default 50)")
     args = parser.parse_args(argv)
     if args.compiled:
-        compiled_main(args.quick, args.cuda_graph)
+        compiled_main(args.quick, args.cuda_graph, args.backend, args.steps)
         return
     world = gpu_world()
     # vocab, d_model, layers, heads, batch per GPU, sequence length

@@ -40,6 +40,7 @@ from .controller import (
     reduce_,
     remote,
     report,
+    show,
     slice_mesh,
     to_mesh,
 )
@@ -49,6 +50,7 @@ from .opaque_ref import OpaqueRef
 from .opaque_object import OpaqueObject, opaque_method
 from .opaque_module import OpaqueModule
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
+from . import builtins, random  # noqa: F401 (Monarch's monarch.builtins and monarch.random)
 
 
 def dask_setup(server) -> None:
@@ -105,6 +107,7 @@ __all__ = [
     "reduce_",
     "remote",
     "report",
+    "show",
     "slice_mesh",
     "to_mesh",
     "to_dask",

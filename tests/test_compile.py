@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dp_steps import dp_step, twin_mlps
 from dask_monarch.protocol import CallRecording, DefineRecording
 
 TIMEOUT = 60
@@ -514,31 +515,14 @@ def test_compiled_training_step_matches_eager(client2):
     """Beyond Monarch: a whole data-parallel step of an nn.Module (forward, backward, reduce_ of the gradients,
     SGD with momentum, zero_grad) compiled gives the same parameters, bit for bit, as the same step run eagerly on
     the mesh."""
-    F = torch.nn.functional
-
-    def make_step(model, optimizer):
-        def step(xb, yb):
-            loss = F.cross_entropy(model(xb), yb)
-            optimizer.zero_grad()
-            loss.backward()
-            dm.reduce_([p.grad for p in model.parameters()], "dp", "avg")
-            optimizer.step()
-            return loss
-
-        return step
-
     with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh, mesh.activate():
         dm.remote(torch.manual_seed, propagate="inspect")(0)
-        models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-                  for _ in range(2)]
-        with torch.no_grad():
-            for p_eager, p_compiled in zip(*(m.parameters() for m in models)):
-                p_compiled.copy_(p_eager)
+        models = twin_mlps()
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
         x = torch.randn(64, 16) + mesh.rank("dp")  # each rank its own data
         y = torch.randint(0, 4, (64,))
-        eager = make_step(models[0], optimizers[0])
-        compiled = dm.compile(make_step(models[1], optimizers[1]), warmup=1)
+        eager = dp_step(models[0], optimizers[0], "dp")
+        compiled = dm.compile(dp_step(models[1], optimizers[1], "dp"), warmup=1)
         losses = []
         for i in range(6):
             rows = slice(8 * i, 8 * i + 8)

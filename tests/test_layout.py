@@ -15,7 +15,7 @@ CONTROLLER = Path(__file__).resolve().parents[1] / "dask_monarch" / "controller"
 #: bottom to top: a module imports only modules before it
 ORDER = [
     # helpers of the session, and the session's concerns
-    "local", "storage", "coalescing", "history", "task_keys", "propagation", "answers", "sockets", "channel", "future",
+    "local", "table", "debugger", "storage", "coalescing", "history", "task_keys", "propagation", "answers", "sockets", "channel", "future",
     "security",
     "at_exit",
     "bookkeeping", "liveness", "transport",
@@ -25,7 +25,7 @@ ORDER = [
     "value_mesh",
     # the frontend
     "tensor", "stream", "functions", "remote", "dispatch", "reduce", "to_mesh", "fetch", "cached_propagation", "actors",
-    "recording", "compile", "gradients", "report",
+    "recording", "compile_notices", "compile", "gradients", "report",
     # the public entry points
     "attach", "__init__",
 ]

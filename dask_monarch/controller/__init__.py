@@ -9,7 +9,7 @@ from .actors import ActorMesh, Endpoint, as_endpoint, endpoint
 from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
-from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
+from .fetch import call_on_shard_and_fetch, fetch_shard, inspect, show
 from . import cached_propagation  # noqa: F401 (remote learns outputs on the mesh: registers with mesh.Frontend)
 from .gradients import grad_function, grad_generator, gradient_execution_order
 from .mesh import DeviceMesh, get_active_mesh, no_mesh
@@ -54,6 +54,7 @@ __all__ = [
     "reduce_",
     "remote",
     "report",
+    "show",
     "slice_mesh",
     "to_mesh",
 ]

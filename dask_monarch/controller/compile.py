@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..protocol import RecordingResult
 from .coalescing import compiling, is_coalescing, recording_block
 from .mesh import get_active_mesh
+from .compile_notices import BACKENDS, fallbacks, warn_fallbacks, watch
 from .recording import Recorder, Recording, normalized
 from .stream import get_active_stream
 from .tensor import Tensor
@@ -128,9 +129,11 @@ class _Entry:
 class Compiled:
     """``fn`` wrapped by ``compile`` (see ``compile``); call it like ``fn``."""
 
-    def __init__(self, fn, verify: bool = True, cuda_graph: bool = False, warmup: int = 0):
+    def __init__(self, fn, verify: bool = True, cuda_graph: bool = False, warmup: int = 0, backend: str | None = None):
         if not callable(fn):
             raise TypeError(f"compile needs a callable, got {type(fn).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"compile: backend must be one of {sorted(BACKENDS, key=str)}, got {backend!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"compile: verify must be a bool, got {verify!r}")
         if not isinstance(cuda_graph, bool):
@@ -141,6 +144,7 @@ class Compiled:
         self.verify = verify
         self.cuda_graph = cuda_graph
         self.warmup = warmup
+        self.backend = backend
         self._warm: dict = {}  # cache key -> calls run eagerly so far
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
         self._cache: dict = {}
@@ -152,6 +156,8 @@ class Compiled:
     def __call__(self, *args, **kwargs):
         if is_coalescing() or compiling() is not None:
             return self.fn(*args, **kwargs)  # inside coalescing() or another compiled function: its messages join
+        if self.backend and fallbacks:
+            warn_fallbacks(self)
         leaves, spec = _flatten(args, kwargs)
         key, tensors = _cache_key(leaves, spec, self.name)
         for entry in self._cache.get(key, ()):
@@ -262,7 +268,11 @@ class Compiled:
         recorder, out_leaves, out_spec, outputs = self._run_recording(leaves, spec, tensors)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, Tensor)]
         values = [None if isinstance(x, Tensor) else x for x in out_leaves]
-        recording = Recording(recorder, tensors, outputs, self.cuda_graph) if recorder.messages else None
+        recording = None
+        if recorder.messages:
+            recording = Recording(recorder, tensors, outputs, self.cuda_graph, self.backend or "")
+            if self.backend:
+                watch(recording, self)
         return _Entry(recording, out_spec, values, positions, normalized(recorder) if self.verify else None)
 
     def _verify(self, entry: _Entry, leaves, spec, tensors) -> None:
@@ -299,10 +309,11 @@ class Compiled:
         entry.reference = None
 
     def __repr__(self) -> str:
-        return f"compile({self.fn!r}, verify={self.verify})"
+        backend = f", backend={self.backend!r}" if self.backend else ""
+        return f"compile({self.fn!r}, verify={self.verify}{backend})"
 
 
-def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: int = 0):
+def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: int = 0, backend: str | None = None):
     """Wrap ``fn`` so that its first call (per cache key) records its operations and later calls replay them with
     one ``CallRecording`` per rank (Monarch's ``compile``; spec §7). Usable as ``compile(fn)``, ``@compile`` or
     ``@compile(verify=False)``.
@@ -313,6 +324,13 @@ def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: i
       replay and launched on later calls (DESIGN.md "Decisions").
     * ``warmup``: the first ``warmup`` calls per cache key run eagerly, before the recording, so that state a
       function makes on its first call (an optimizer's momentum buffers, say) exists before it is recorded.
+    * ``backend``: ``None`` (default) replays each run of aten operations as one generated Python function
+      (``worker/blocks.py``); ``"inductor"`` (beyond Monarch) has each rank compile those runs with
+      ``torch.compile`` (Inductor) at the recording's second call, so that pointwise operations fuse; collectives,
+      borrows and remote functions stay steps of their own, in order. A run Inductor cannot compile replays as
+      Python, and the next call of the compiled function warns once (``RuntimeWarning``) naming the reason. With
+      ``cuda_graph=True`` the compiled replay is captured as a CUDA graph at the third call. ``ValueError`` for
+      another value.
 
     Rules (Monarch's): tensors the function uses but does not take as arguments are *captured* (kept alive with
     the recording; changing their metadata or rebinding them is not seen); tensors made inside cannot be used
@@ -323,5 +341,5 @@ def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: i
     position and what it called) and the rank.
     """
     if fn is None:
-        return lambda f: Compiled(f, verify, cuda_graph, warmup)
-    return Compiled(fn, verify, cuda_graph, warmup)
+        return lambda f: Compiled(f, verify, cuda_graph, warmup, backend)
+    return Compiled(fn, verify, cuda_graph, warmup, backend)

@@ -1,5 +1,6 @@
-"""``fetch_shard`` and ``inspect``: bring one rank's value to the controller (spec §1 "Fetch"); the values of a
-remote function: ``call_on_shard_and_fetch`` (one rank's) and ``remote(f).call`` (every rank's, as a ``ValueMesh``).
+"""``fetch_shard`` and ``inspect``: bring one rank's value to the controller (spec §1 "Fetch"); ``show``: display it;
+the values of a remote function: ``call_on_shard_and_fetch`` (one rank's) and ``remote(f).call`` (every rank's, as a
+``ValueMesh``).
 
 A fetch sends ``SendValue`` (identity, or the function to call) to the ranks asked, then ``RequestStatus`` to every
 rank; its future resolves once every rank has passed it, so a failure on any rank that the value depends on is known
@@ -11,20 +12,22 @@ from __future__ import annotations
 
 import operator
 
-from torch.utils._pytree import tree_flatten, tree_unflatten
+import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ..exceptions import RemoteException
 from ..protocol import ArgsKwargs, SendValue
 from .coalescing import refuse_wait
-from .mesh import DeviceMesh, frontend
+from .mesh import DeviceMesh, frontend, no_mesh
 from .process_group import RemoteProcessGroup
 from .remote import Remote, _mesh_of, pack_leaves, remote, sendable
 from .future import MonarchFuture
 from .stream import check_access, get_active_stream
+from .table import display, grid, tensor_table
 from .tensor import Tensor
 from .value_mesh import ValueMesh
 
-__all__ = ["call_on_shard_and_fetch", "collect", "fetch_call", "fetch_shard", "inspect"]
+__all__ = ["call_on_shard_and_fetch", "collect", "fetch_call", "fetch_shard", "inspect", "show"]
 
 
 class _Done(MonarchFuture):
@@ -138,6 +141,40 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> MonarchFuture:
 def inspect(obj, shard: dict | None = None, **coords):
     """``fetch_shard(obj, shard, **coords).result()`` (spec §1)."""
     return fetch_shard(obj, shard, **coords).result()
+
+
+def show(obj, shard: dict | None = None, **coords) -> None:
+    """Fetch ``obj`` from one rank and display it (Monarch's ``show``): ``inspect(obj, shard, **coords)``, so the
+    rank is the mesh's first unless ``shard`` or keyword coordinates (``show(t, gpu=1)``) name another, and then
+    each tensor in it is shown as a table of its values (floats to four decimals; more than 1000 elements as torch
+    prints them), headed by where it sits in ``obj``, the rank's coordinates, its dtype and shape; other values as
+    Python prints them. A ``ValueMesh`` (``remote(f).call(...).get()``) is shown as a table of every rank's value
+    laid out over its dimensions. Inside a notebook kernel the tables are HTML (IPython's ``display``), elsewhere
+    text on stdout. Returns None. Monarch draws tensors as images with the ``torchshow`` package; here they are
+    tables, on a terminal too, with no extra dependency. Raises what ``fetch_shard`` raises."""
+    if isinstance(obj, ValueMesh):
+        display(grid(obj.names, list(obj.sizes.values()), [str(v) for v in obj.values()], "value of each rank"))
+        return
+    value = inspect(obj, shard, **coords)
+    where = _coords_text(obj, {**(shard or {}), **coords})
+    with no_mesh.activate():  # the fetched values are local tensors: local torch, even under mesh.activate()
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            title = f"{where}{keystr(path)}"
+            if isinstance(leaf, torch.Tensor):
+                display(tensor_table(leaf, title))
+            else:
+                display(grid([], [], [repr(leaf)], title))
+
+
+def _coords_text(obj, coords: dict) -> str:
+    """``"rank 3 (host=1, gpu=1)"``: the rank ``show`` fetched ``obj`` from."""
+    tensors = [x for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
+    if not tensors:
+        return "local value"
+    mesh = tensors[0].mesh
+    rank = _rank_of(mesh, coords)
+    shown = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.processes.coordinates(rank)))
+    return f"rank {rank} ({shown})" if shown else f"rank {rank}"
 
 
 def fetch_call(fn: Remote, args: tuple, kwargs: dict, shard: dict | None, every: bool) -> MonarchFuture:

@@ -2,7 +2,8 @@
 
 It resolves once every rank has answered ``Status`` past its seq (``Session.sync``), so a failure on any rank that
 the value depends on is known by then. Its wait is bounded: every ``liveness_interval`` it checks that the mesh is
-alive (``liveness.py``), and a ``timeout`` names the ranks that did not answer.
+alive (``liveness.py``), and a ``timeout`` names the ranks that did not answer. While it waits, a rank stopped in
+pdb is driven from here (``debugger.py``).
 """
 
 from __future__ import annotations
@@ -63,10 +64,20 @@ class MonarchFuture:
             wait = self._session.liveness_interval
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - time.monotonic()))
-            try:
-                return self._future.result(timeout=wait)
-            except concurrent.futures.TimeoutError:
-                pass
+            debugger = getattr(self._session, "debugger", None)
+            if debugger is None:
+                concurrent.futures.wait((self._future,), timeout=wait)
+            else:  # a rank stopped in pdb wakes the wait too, and is driven from here (debugger.py)
+                concurrent.futures.wait((self._future, debugger.wake), timeout=wait,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                if debugger.wake.done():
+                    served = time.monotonic()
+                    debugger.serve()
+                    served = time.monotonic() - served  # time at the pdb prompt counts against no timeout
+                    start += served
+                    deadline = None if deadline is None else deadline + served
+            if self._future.done():
+                return self._future.result()
             self._session.check_alive()
             if notice is not None and time.monotonic() - start >= notice[0]:
                 notice, tell = None, notice[1]

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from ..protocol import CreateDeviceMesh, Ref, Slice
+from .table import Table, grid
 
 __all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh", "select"]
 
@@ -174,6 +175,15 @@ class DeviceMesh:
     def workers(self) -> dict:
         """Dask worker address of every rank of this mesh, by global rank."""
         return {r: self._session.workers[r] for r in self._rank_list}
+
+    def to_table(self) -> Table:
+        """Which Dask worker each rank of this mesh is, laid out over the mesh's dimensions (Monarch's
+        ``to_table``): a ``str`` (``print(mesh.to_table())``) whose cells read ``<global rank>: <worker address>``,
+        the last dimension across, the one before it down, a section per coordinate of any others; a notebook
+        shows it as an HTML table (``controller/table.py``)."""
+        workers = self._session.workers
+        cells = [f"{r}: {workers[r].removeprefix('tcp://')}" for r in self._rank_list]
+        return grid(self.names, self.processes.sizes, cells)
 
     def seen_from(self, rank: int | None = None):
         """This mesh as a remote function receives it on global rank ``rank`` (default: the mesh's first): the

@@ -215,7 +215,8 @@ class Recording:
     ``outputs`` are the recorded output tensors (in ``RecordingResult`` order), ``inputs`` the actuals of the
     recording call (their formals' storages tell which outputs alias inputs)."""
 
-    def __init__(self, recorder: Recorder, inputs: list, outputs: list, cuda_graph: bool = False):
+    def __init__(self, recorder: Recorder, inputs: list, outputs: list, cuda_graph: bool = False,
+                 backend: str = ""):
         session = recorder.session
         self.session = session
         self.name = recorder.name
@@ -252,7 +253,7 @@ class Recording:
                 chunks = [msgs[i:i + MAX_COMMANDS] for i in range(0, len(msgs), MAX_COMMANDS)]
                 for index, chunk in enumerate(chunks):
                     session.send(DefineRecording(self.ref, len(outputs), len(inputs), chunk, len(chunks), index,
-                                                 cuda_graph), ranks)
+                                                 cuda_graph, backend), ranks)
         # the /monarch page counts each compiled function's calls by the replays of its recordings
         session.tell_dashboard("monarch_session_recording", recording=self.ref.id, name=self.name)
 

@@ -31,6 +31,7 @@ from ..worker.tensor_worker import SessionParams
 from .answers import Answers
 from .channel import MODES, Channels
 from .bookkeeping import Bookkeeping
+from .debugger import Debugger
 from .coalescing import refuse_wait
 from .future import MonarchFuture
 from .liveness import Liveness
@@ -198,6 +199,9 @@ class Session(Transport, Bookkeeping, Liveness):
         self._release_lock = threading.Lock()
         interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
         self._answers = Answers(self, self._key)  # never Dask's shared callback thread (answers.py)
+        self.debugger = Debugger(self)  # breakpoint() in a remote function: pdb on the rank, driven from waits
+        #: callables run once when the session stops (layers above the session release what they keep for it)
+        self.on_stop: list = []
         if answer_channel:
             self.channels = Channels(self, answer_channel)
             self.channels.open(self.CHANNEL_TIMEOUT)
@@ -314,6 +318,13 @@ class Session(Transport, Bookkeeping, Liveness):
         this alone when it fails half-way)."""
         self.closed = True
         self._wake.set()
+        self.debugger.close()
+        on_stop, self.on_stop = self.on_stop, []
+        for release in on_stop:
+            try:
+                release()
+            except Exception:  # the client is closing: nothing left to release there
+                logger.debug("dask_monarch: session %s: a release at stop failed", self._key, exc_info=True)
         if self.channels is not None:
             self.channels.close()
         self._answers.stop()

@@ -313,7 +313,9 @@ class Exit(_Validated):
 @_message
 class DefineRecording(_Validated):
     """Define (a chunk of) recording ``result`` made of ``commands`` (spec §7). ``cuda_graph`` (not in the seed;
-    DESIGN.md "Decisions"): on GPU workers, replay each stream's part as a CUDA graph after a first replay."""
+    DESIGN.md "Decisions"): on GPU workers, replay each stream's part as a CUDA graph after a first replay.
+    ``backend`` (not in the seed): ``"inductor"`` compiles the recording's runs of aten ops with ``torch.compile``
+    after its first replay (``worker/inductor.py``); ``""`` replays them as generated Python."""
 
     result: Ref
     nresults: int
@@ -322,6 +324,7 @@ class DefineRecording(_Validated):
     ntotal_messages: int
     index: int
     cuda_graph: bool = False
+    backend: str = ""
 
 
 @_message

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 
-__all__ = ["new_session_id", "session_tag"]
+__all__ = ["new_session_id", "session_tag", "compile_topic"]
 
 _LETTERS = str.maketrans("0123456789abcdef", "ghijklmnopqrstuv")
 
@@ -27,3 +27,9 @@ def session_tag(session_id: str) -> str:
     """The 8-letter tag of ``session_id``: its first 8 characters, hex digits spelled ``g``-``v`` (a session id
     made by ``new_session_id`` starts with its tag)."""
     return session_id[:8].lower().translate(_LETTERS)
+
+
+def compile_topic(session_id: str) -> str:
+    """The Dask event topic (``Worker.log_event``) on which the workers of session ``session_id`` report a part of a
+    recording that Inductor could not compile (``worker/inductor.py``; ``controller/compile_notices.py``)."""
+    return f"dask-monarch-compile-{session_id}"

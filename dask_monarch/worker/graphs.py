@@ -80,8 +80,11 @@ def _capture(stream, call, program) -> _Graph:
     side.wait_stream(stream.cuda_stream)
     try:
         with torch.cuda.graph(graph, stream=side):
-            for index, step in enumerate(program.steps):
-                failure = _capture_step(stream, call, step, index, inputs, outputs)
+            for index, runner in _units(program):
+                if runner is None:
+                    failure = _capture_step(stream, call, program.steps[index], index, inputs, outputs)
+                else:
+                    failure = _capture_region(stream, call, runner, index)
                 if failure is not None:
                     break
     except Exception as e:  # ending a capture that a step invalidated raises too: the step's error is the one
@@ -124,6 +127,35 @@ def _capture_step(stream, call, step, index: int, inputs: dict, outputs: dict) -
     return None
 
 
+def _units(program):
+    """What a capture runs: each step on its own, or, for a recording compiled by Inductor, its compiled regions
+    as they are (``(start step, runner)``) and the other steps on their own (``(index, None)``)."""
+    if not program.backend:
+        return ((index, None) for index in range(len(program.steps)))
+    return ((start, runner if hasattr(runner, "failing") else None)
+            for start, runner in zip(program.starts, program.runners))
+
+
+def _capture_region(stream, call, runner, start: int) -> "_Uncapturable | None":
+    """Issue a compiled region (or block) into the capture; what went wrong, or None."""
+    env = stream.env
+    for step in runner.block.steps if hasattr(runner, "block") else runner.steps:
+        for spec in (*getattr(step, "args", ()), *getattr(step, "kwargs", {}).values()):
+            value = spec[1] if spec[0] == "const" else None
+            if (isinstance(value, torch.device) and value.type != "cuda") or (
+                    isinstance(value, torch.Tensor) and not value.is_cuda and value.dim() > 0):
+                return _Uncapturable(start, f"it uses {value!r} off the GPU, which a CUDA graph cannot hold")
+    try:
+        runner(stream, env, call)
+    except Exception as e:
+        return _Uncapturable(runner.failing(e), f"{type(e).__name__}: {e}")
+    for rid in (*runner.inputs, *runner.outputs):
+        value = env.get(rid)
+        if isinstance(value, torch.Tensor) and not value.is_cuda and value.dim() > 0:
+            return _Uncapturable(start, f"it uses a tensor on {value.device}, which a CUDA graph cannot hold")
+    return None
+
+
 def _launch(state: _Graph, stream, call, program) -> SeqError | None:
     """Run one call on the captured graph; returns the dependent error of an errored input, if any (the graph
     still runs, so that peers reach its collectives)."""
@@ -156,17 +188,20 @@ def replay_graph(stream, call, run_plain) -> None:
     """Replay ``call`` on ``stream`` through its program's CUDA graph (captured on the second call);
     ``run_plain(stream, call)`` replays it without one (the first call, and on CPU workers)."""
     program = call.recording.programs[stream.ref.id]
-    if stream.cuda_stream is None or program.graph_calls == 0:
+    warm = 2 if program.backend else 1  # with Inductor: a plain replay, then the one that compiles
+    if stream.cuda_stream is None or program.graph_calls < warm:
         program.graph_calls += 1
         run_plain(stream, call)
         return
     program.graph_calls += 1
     env = stream.env
     error = None
+    captured = False  # a capture runs every step on its own, in the ref table
     stream.replaying = call
     try:
         state = program.graph
         if state is None or not state.valid(env):
+            captured = True
             program.graph = None
             try:
                 state = program.graph = _capture(stream, call, program)
@@ -178,4 +213,4 @@ def replay_graph(stream, call, run_plain) -> None:
         error = _launch(state, stream, call, program)
     finally:
         stream.replaying = None
-        program.end(env, call, error)
+        program.end(env, call, error, everything=captured)

@@ -25,7 +25,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
 from ..protocol.session_id import session_tag
-from . import activity, prometheus
+from . import activity, debugger, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
 from .tensor_worker import SessionParams, TensorWorker
@@ -65,6 +65,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         worker.handlers[CHANNEL_OP] = self.channel
         worker.metrics[METRICS_KEY] = self.metrics
         prometheus.register(self)
+        debugger.install()  # breakpoint() in a remote function: pdb on the rank, driven from the controller
 
     def metrics(self, worker) -> dict:
         """The heartbeat metric (``worker_snapshot``)."""

@@ -53,7 +53,10 @@ from .replay import Program, replay
 from .send_tensor import SendStep, TakeStep, plan
 from .steps import BorrowStep, Call, Delete, Formal, ReduceStep, Result
 
-__all__ = ["Definitions", "Recording", "ReplayCall"]
+__all__ = ["Definitions", "Recording", "ReplayCall", "BACKENDS"]
+
+#: ``DefineRecording.backend`` values: generated Python (``worker/blocks.py``), or Inductor (``worker/inductor.py``)
+BACKENDS = frozenset(("", "inductor"))
 
 #: commands that may not appear among a recording's commands, with the text of the fatal error (spec §7, §9)
 _REFUSED = {
@@ -188,7 +191,11 @@ class Definitions:
         if msg.index < msg.ntotal_messages - 1:
             return
         self.partial = None
+        if msg.backend not in BACKENDS:
+            raise FatalError(f"DefineRecording r{rid}: unknown backend {msg.backend!r} (known: {sorted(BACKENDS)})")
         recording = _Builder(self.tw, rid).build(partial.commands, msg.nresults, msg.nformals)
+        for program in recording.programs.values():
+            program.backend = msg.backend
         if msg.cuda_graph:
             if len(recording.programs) > 1:
                 raise FatalError(
@@ -255,8 +262,9 @@ class _Builder:
         undropped = sorted(bid for bid, state in self.borrow_state.items() if state != "dropped")
         if undropped:
             self.fail(f"all borrows created within recording must be dropped within recording (live: {undropped})")
+        keep = {ref.id for tensor, result, _, _ in self.borrows.values() for ref in (tensor, result)}
         for program in self.programs.values():
-            program.finish(self.tw)
+            program.finish(self.tw, keep)
         programs = dict(sorted(self.programs.items()))
         return Recording(self.rid, programs, self.borrows, nresults, nformals)
 

@@ -18,9 +18,16 @@ steps in order on the stream's thread, with the stream's ref table:
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
+from torch.utils._pytree import tree_flatten
+
+from ..protocol import Ref
 from .borrow import SessionOver
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .blocks import blockable, compile_block, failing_step
+from .inductor import compile_regions
 from .steps import BorrowStep, Call, Delete, Formal, ReduceStep, Result
 
 __all__ = ["Program", "replay"]
@@ -46,6 +53,8 @@ class Program:
         self.mutated_captures: tuple = ()
         self.graph = None  # the CUDA graph of this program, once captured (worker/graphs.py)
         self.graph_calls = 0
+        self.backend = ""  # "inductor": blocks compiled by torch.compile at the second replay (worker/inductor.py)
+        self.replays = 0
 
     def add(self, step, defines) -> None:
         """Append ``step``, which defines the refs ``defines``. A ref written twice (and not deleted in between)
@@ -78,13 +87,15 @@ class Program:
             self.names[step.index] = step.name
         self.steps.append(step)
 
-    def finish(self, tw) -> None:
+    def finish(self, tw, keep=frozenset()) -> None:
         """Prepare every step, work out which refs a replay reads from outside (``check_inputs``) and which actuals
-        and captured refs a failed replay marks."""
+        and captured refs a failed replay marks, and generate the blocks (``worker/blocks.py``). ``keep``: refs
+        that must stay in the ref table (what borrows lend and take)."""
         for step in self.steps:
             step.prepare(tw)
         self.names = {step.index: step.name for step in self.steps if step.index is not None}
-        self.runners, self.starts = _runners(self.steps)
+        self.runners, self.starts, local_only = _runners(self.steps, keep)
+        self.env_defined = tuple(self.defined - local_only)  # what a successful replay leaves in the ref table
         defined, captured = set(), {}
         for step, defines in zip(self.steps, self.step_defines):
             if type(step) is Call:
@@ -108,8 +119,9 @@ class Program:
                 return step, DependentError(value)
         return None
 
-    def end(self, env, call, error: SeqError | None) -> None:
-        """After a replay: mark results and mutated inputs with ``error`` (if it failed), free what it defined."""
+    def end(self, env, call, error: SeqError | None, everything: bool = False) -> None:
+        """After a replay: mark results and mutated inputs with ``error`` (if it failed), free what it defined
+        (``everything``: also what blocks keep as locals, after a replay that ran each step on its own)."""
         if error is not None:
             for j in self.results:
                 if j < len(call.results):
@@ -120,21 +132,28 @@ class Program:
             for rid in self.mutated_captures:
                 env[rid] = error
         pop = env.pop
-        for rid in self.defined:
+        for rid in self.defined if error is not None or everything else self.env_defined:
             pop(rid, None)
 
 
-def _runners(steps: list) -> tuple[list, list]:
-    """What a replay calls, in order, and the step each starts at: a compiled block for each run of ``blockable``
-    steps (``worker/blocks.py``), else the step's runner."""
-    runners, starts = [], []
+def _runners(steps: list, keep) -> tuple[list, list, set]:
+    """What a replay calls, in order, the step each starts at, and the refs that live only as locals of blocks: a
+    generated block for each run of ``blockable`` steps (``worker/blocks.py``), else the step's runner."""
+    mentions = [mentioned(step) for step in steps]
+    total = Counter(rid for refs in mentions for rid in refs)
+    runners, starts, local_only = [], [], set()
     i = 0
     while i < len(steps):
         j = i
         while j < len(steps) and blockable(steps[j]):
             j += 1
         if j > i:
-            runners.append(compile_block(steps[i:j], i))
+            inside = Counter(rid for refs in mentions[i:j] for rid in refs)
+            escaping = {rid for rid, n in inside.items() if total[rid] > n or rid in keep}
+            block = compile_block(steps[i:j], i, escaping)
+            local_only.update(rid for step in steps[i:j] if type(step) is Call
+                              for rid in (r.id for r in step.results if r is not None) if rid not in escaping)
+            runners.append(block)
             starts.append(i)
             i = j
             continue
@@ -142,7 +161,44 @@ def _runners(steps: list) -> tuple[list, list]:
         runners.append(step.runner() if type(step) is Call else step.run)
         starts.append(i)
         i += 1
-    return runners, starts
+    return runners, starts, local_only
+
+
+def mentioned(step) -> set:
+    """Every ref id ``step`` names (reads, writes or deletes)."""
+    kind = type(step)
+    if kind is Delete:
+        return set(step.ids)
+    if kind is Call:
+        msg = step.msg
+        refs = set()
+        for leaf in tree_flatten((msg.args_kwargs.args, msg.args_kwargs.kwargs))[0]:  # as ``stream._resolve``
+            if type(leaf) is Ref:
+                refs.add(leaf.id)
+            elif getattr(leaf, "__monarch_ref__", None) is not None and not isinstance(leaf, type):
+                refs.add(leaf.__monarch_ref__())
+        refs.update(r.id for r in msg.results if r is not None)
+        refs.update(r.id for r in msg.mutates)
+        return refs
+    msg = getattr(step, "msg", None) or getattr(getattr(step, "plan", None), "msg", None)
+    return _refs(msg) if msg is not None else set()
+
+
+def _refs(obj, out: set | None = None) -> set:
+    out = set() if out is None else out
+    t = type(obj)
+    if t is Ref:
+        out.add(obj.id)
+    elif t in (list, tuple):
+        for x in obj:
+            _refs(x, out)
+    elif t is dict:
+        for x in obj.values():
+            _refs(x, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _refs(getattr(obj, field.name), out)
+    return out
 
 
 def _aliased(msg) -> tuple:
@@ -157,6 +213,9 @@ def replay(stream, call) -> None:
     steps = program.steps
     env = stream.env
     error = None
+    if program.backend and program.replays == 1:  # after the first replay (the controller verified by then)
+        compile_regions(program, stream, call.recording)
+    program.replays += 1
     stream.replaying = call
     try:
         failure = _run(program, stream, env, call)

@@ -43,7 +43,7 @@ class Call:
     ``run`` looks the refs up, calls, and stores the result leaves."""
 
     __slots__ = ("msg", "index", "name", "fn", "error", "args", "kwargs", "nested", "results", "mutates", "returns",
-                 "groups")
+                 "groups", "overload", "returns_list", "env_reads")
 
     def __init__(self, msg):
         self.msg = msg
@@ -51,6 +51,9 @@ class Call:
         self.name = repr(msg.function)
         self.results = msg.results
         self.mutates = msg.mutates
+        self.overload = None  # the OpOverload it calls, if it calls one
+        self.returns_list = False
+        self.env_reads = None  # the refs it reads from the ref table (None: all; a block keeps the others local)
 
     def prepare(self, tw) -> None:
         """Resolve the function and bind the arguments once. A function or argument that cannot be loaded is a
@@ -68,6 +71,8 @@ class Call:
                     self.name = getattr(fn, "__qualname__", None) or self.name
                 if isinstance(fn, torch._ops.OpOverload):
                     self.returns = [str(r.type) for r in fn._schema.returns]
+                    self.overload = fn
+                    self.returns_list = self.returns == ["Tensor[]"]
                     fn = fn._op
         except Exception as e:
             fn = None
@@ -109,12 +114,17 @@ class Call:
 
     @property
     def fast(self) -> bool:
-        """Whether this step runs from a compiled block (``worker/blocks.py``): an op whose schema returns tensors
-        (or nothing) matching the results, with no nested arguments. Such a step does not check its inputs:
-        ``Program.check_inputs`` looks at the recording's inputs once per replay, and the steps before it made the
-        others (a failure would have stopped the run); ``failed`` finds out what went wrong."""
+        """Whether this step runs from a generated block (``worker/blocks.py``): an op (an ``OpOverload``, no
+        result check) whose schema returns as many values as the step has results (or one ``Tensor[]``, or
+        nothing), with no nested arguments. Such a step does not check its inputs: ``Program.check_inputs`` looks
+        at the recording's inputs once per replay, and the steps before it made the others (a failure would have
+        stopped the run); ``failed`` finds out what went wrong."""
         returns = self.returns
-        if self.error is not None or self.nested or returns is None or any(r != "Tensor" for r in returns):
+        if self.error is not None or self.nested or returns is None or self.msg.declared is not None:
+            return False
+        if self.returns_list:
+            return bool(self.results)
+        if any("[]" in r for r in returns):
             return False
         return len(self.results) == max(1, len(returns)) and (returns or self.results[0] is None)
 
@@ -134,7 +144,7 @@ class Call:
 
     def _diagnose(self, env) -> BaseException | None:
         """Why this step's inputs cannot be read (the fast path does not check), or None."""
-        for rid in self.reads():
+        for rid in self.reads() if self.env_reads is None else self.env_reads:
             value = env.get(rid, _MISSING)
             if value is _MISSING:
                 return ValueFailure(f"ref not found: r{rid}")
