@@ -101,6 +101,21 @@ def returns_object(x):
 object_result = dm.remote(returns_object, propagate=_three)
 
 
+def returns_scalar_tensor(x):
+    return x.sum()
+
+
+declared_one = dm.remote(returns_scalar_tensor, propagate=lambda x: torch.zeros(1))
+
+
+def test_a_shape_that_differs_only_in_dimensions_of_size_1_is_accepted(mesh1):
+    """Monarch's own tests declare ``torch.zeros(1)`` for a 0-d result; Monarch checks no shapes, so neither
+    dimensions of size 1 fail the call here (the value is the worker's, as in Monarch)."""
+    with mesh1.activate():
+        value = fetch(declared_one(torch.ones(5)))
+    assert value.item() == 5.0
+
+
 def test_opaque_object_is_a_value(mesh1):
     """As in Monarch, a declared tensor may stand for an object that is not a plain value (a handle)."""
     with mesh1.activate():
