@@ -215,7 +215,12 @@ def _operator(base):
         return result
 
     operator.__name__ = operator.__qualname__ = base.__name__
+    OPERATORS.append(operator)
     return operator
+
+
+#: the Python operators defined below (``dispatch.py`` marks them, as the dispatch itself, for Dynamo to skip)
+OPERATORS: list = []
 
 
 for _name in (
