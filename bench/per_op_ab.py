@@ -4,7 +4,7 @@ dask_monarch in one session of this script (the same machine, the same load), an
 Each run is a fresh process, ``PYTHONPATH=<tree> python bench/per_op_min.py <label>`` (this file's
 ``per_op_min.py`` for both sides, so only the library differs), whose line gives, in microseconds, the least
 disturbed and the median of 9 rounds of 5,000 calls of (b) ``remote(aten.add)`` and (d) ``x + x`` under
-``activate()`` on a 1-worker cluster. This prints every run's line, then per side the median over runs of each
+``activate()`` on a 1-worker cluster, and the controller process's CPU time per call (median of the rounds). This prints every run's line, then per side the median over runs of each
 figure, and the ratio B/A.
 
 Usage::
@@ -23,8 +23,9 @@ import sys
 from pathlib import Path
 
 _BENCH = Path(__file__).with_name("per_op_min.py")
-_LINE = re.compile(r"\(b\) min ([\d.]+) median ([\d.]+) us\s+\(d\) min ([\d.]+) median ([\d.]+) us")
-_FIELDS = ("(b) min", "(b) median", "(d) min", "(d) median")
+_LINE = re.compile(r"\(b\) min ([\d.]+) median ([\d.]+) us\s+\(d\) min ([\d.]+) median ([\d.]+) us\s+"
+                   r"cpu \(b\) ([\d.]+) \(d\) ([\d.]+) us")
+_FIELDS = ("(b) min", "(b) median", "(d) min", "(d) median", "(b) cpu", "(d) cpu")
 
 
 def run_once(tree: str, label: str) -> tuple:
@@ -50,7 +51,7 @@ def main() -> None:
             values, line = run_once(tree, f"{side}{i}")
             figures[side].append(values)
             print(line, flush=True)
-    medians = {side: [statistics.median(run[k] for run in runs) for k in range(4)] for side, runs in figures.items()}
+    medians = {side: [statistics.median(run[k] for run in runs) for k in range(len(_FIELDS))] for side, runs in figures.items()}
     for side, tree in (("A", args.a), ("B", args.b)):
         print(f"{side} ({tree}): " + "  ".join(f"{name} {v:.1f}" for name, v in zip(_FIELDS, medians[side])) + " us")
     print("B/A: " + "  ".join(f"{name} {b / a:.2f}" for name, a, b in zip(_FIELDS, medians["A"], medians["B"])))
