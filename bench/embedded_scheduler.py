@@ -1,0 +1,65 @@
+"""The embedded default's eager op cost with its scheduler in the controller's process (as before issue 23 item 4:
+``start_local_cluster(..., scheduler_process=False)``) and in a process of its own (now), in one run: the
+controller time per ``x + x`` under ``activate()`` on a 1-rank mesh, 9 rounds of 5,000 ops each, the least
+disturbed round (min) and the median, in microseconds; and the ratio of the two. The clusters alternate
+(in-process, own process, in-process, own process) so that a change in the machine's load falls on both.
+
+Usage::
+
+    python bench/embedded_scheduler.py [--ranks 1] [--rounds 9] [--ops 5000]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+from dask_monarch.cluster import start_local_cluster
+
+
+def measure(scheduler_process: bool, ranks: int, rounds: int, ops: int) -> list[float]:
+    cluster = start_local_cluster(ranks, silence_logs=40, scheduler_process=scheduler_process)
+    client = Client(cluster, set_as_default=False)
+    try:
+        with dm.attach(client, dims={"w": ranks}) as mesh, mesh.activate():
+            x = torch.ones(4, 4)
+            for _ in range(200):
+                x + x
+            dm.inspect(x + x)
+            per_op = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for _ in range(ops):
+                    x + x
+                per_op.append((time.perf_counter() - t0) / ops * 1e6)
+                mesh._session.sync("bench").result()
+            return per_op
+    finally:
+        client.close()
+        cluster.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--ops", type=int, default=5000)
+    args = parser.parse_args()
+    results = {False: [], True: []}
+    for scheduler_process in (False, True, False, True):
+        results[scheduler_process] += measure(scheduler_process, args.ranks, args.rounds, args.ops)
+    names = {False: "scheduler in the controller's process", True: "scheduler in its own process"}
+    for key in (False, True):
+        r = results[key]
+        print(f"{names[key]:40s} x + x: min {min(r):6.1f} us  median {statistics.median(r):6.1f} us  "
+              f"({len(r)} rounds of {args.ops})")
+    print(f"own process / in-process: min {min(results[True]) / min(results[False]):.2f}x  median "
+          f"{statistics.median(results[True]) / statistics.median(results[False]):.2f}x  "
+          f"ranks {args.ranks}  load {os.getloadavg()[0]:.1f}  cores {os.cpu_count()}")
+
+
+if __name__ == "__main__":
+    main()
