@@ -11,32 +11,23 @@ Usage::
 import argparse
 import os
 import statistics
-import time
+import sys
 
-import torch
 from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch.cluster import start_local_cluster
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hosts import eager_op_us  # noqa: E402  (bench/hosts.py)
 
 
 def measure(scheduler_process: bool, ranks: int, rounds: int, ops: int) -> list[float]:
     cluster = start_local_cluster(ranks, silence_logs=40, scheduler_process=scheduler_process)
     client = Client(cluster, set_as_default=False)
     try:
-        with dm.attach(client, dims={"w": ranks}) as mesh, mesh.activate():
-            x = torch.ones(4, 4)
-            for _ in range(200):
-                x + x
-            dm.inspect(x + x)
-            per_op = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                for _ in range(ops):
-                    x + x
-                per_op.append((time.perf_counter() - t0) / ops * 1e6)
-                mesh._session.sync("bench").result()
-            return per_op
+        with dm.attach(client, dims={"w": ranks}) as mesh:
+            return eager_op_us(mesh, rounds, ops)
     finally:
         client.close()
         cluster.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -28,40 +29,34 @@ import torch
 import dask_monarch as dm
 from dask_monarch.cluster import cluster_workers
 
-
-def percentiles(seconds: list[float]) -> tuple[float, float]:
-    ms = sorted(s * 1e3 for s in seconds)
-    return statistics.median(ms), ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from latency import _rounds  # noqa: E402  (bench/latency.py: p50/p90 of timed rounds)
 
 
-def timed(fn, n: int, warmup: int = 20) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def measure(mesh, fetches: int, rounds: int, ops: int) -> dict:
-    with mesh.activate():
-        small = torch.ones(4) + 0
-    fetch = percentiles(timed(lambda: dm.inspect(small), fetches))
-    per_op = []
+def eager_op_us(mesh, rounds: int, ops: int) -> list[float]:
+    """The controller time per ``x + x`` under ``mesh.activate()`` (microseconds), one figure per round of
+    ``ops`` ops, after a warm-up; the mesh catches up between rounds."""
     with mesh.activate():
         x = torch.ones(4, 4)
         for _ in range(200):
             x + x
         dm.inspect(x + x)
+        per_op = []
         for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(ops):
                 x + x
             per_op.append((time.perf_counter() - t0) / ops * 1e6)
             mesh._session.sync("bench").result()
-    return {"fetch": fetch, "op": (min(per_op), statistics.median(per_op))}
+    return per_op
+
+
+def measure(mesh, fetches: int, rounds: int, ops: int) -> dict:
+    with mesh.activate():
+        small = torch.ones(4) + 0
+    fetch = _rounds(lambda: dm.inspect(small), fetches)
+    per_op = eager_op_us(mesh, rounds, ops)
+    return {"fetch": (fetch["p50"], fetch["p90"]), "op": (min(per_op), statistics.median(per_op))}
 
 
 def main() -> None:
@@ -77,7 +72,8 @@ def main() -> None:
 
     with Client(args.scheduler, timeout=60, set_as_default=False) as client:
         workers = sorted(cluster_workers(client))
-        run = percentiles(timed(lambda: client.run(os.getpid, workers=[workers[0]]), args.fetches))
+        run = _rounds(lambda: client.run(os.getpid, workers=[workers[0]]), args.fetches)
+        run = (run["p50"], run["p90"])
         with dm.attach(client, dims=dims) as mesh:
             full = measure(mesh, args.fetches, args.rounds, args.ops)
             print(f"dashboard: {mesh.dashboard_link}", flush=True)
