@@ -4,6 +4,7 @@ namespace hosts, checks values, and prints one ``ok <check>`` line per check tha
 with a traceback)."""
 
 import sys
+import time
 import urllib.request
 
 import dask.array as da
@@ -103,4 +104,20 @@ with dm.attach(address, dims=dims, timeout=TIMEOUT) as mesh:
     page = urllib.request.urlopen(link, timeout=30)
     assert page.status == 200 and "individual-monarch" in page.read().decode(), link
     print("ok dashboard", link, flush=True)
+
+    # the page's hosts table, from the scheduler's data: a row per worker host, every rank running there
+    def hosts_table(dask_scheduler):
+        from dask_monarch.dashboard.data import DashboardData
+        from dask_monarch.dashboard.install import read_scheduler
+
+        return DashboardData().update(*read_scheduler(dask_scheduler), time.time())["hosts"]
+
+    deadline = time.monotonic() + 60
+    while True:  # a rank counts as running once a heartbeat carried the session's numbers
+        table = mesh.client.run_on_scheduler(hosts_table)
+        if sum(table["running"]) == world or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert table["ranks"] == [per_host] * n_hosts and table["running"] == [per_host] * n_hosts, table
+    print("ok hosts-table", " ".join(table["host"]), flush=True)
 print("ok exit", flush=True)

@@ -3,7 +3,7 @@
 --nworkers 2 --nthreads 1`` in the other two (2 hosts x 2 workers, mesh dims host=2, gpu=2). The controller
 (tests/hosts_controller.py) checks that the actors of every rank answer from their own host, a reduce over both
 dims and each rank's value, ``to_mesh`` from one host's ranks to the other's, a compiled call whose all-reduce
-crosses the hosts, ``from_dask``, and the dashboard's ``/monarch`` page at ``mesh.dashboard_link``. Needs root and network namespaces (CI has both); skipped, saying why,
+crosses the hosts, ``from_dask``, and the dashboard's ``/monarch`` page at ``mesh.dashboard_link`` with a row per worker host. Needs root and network namespaces (CI has both); skipped, saying why,
 elsewhere. No delay between the hosts is simulated (no ``netem`` on this kernel)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from netns_hosts import HostsUnavailable, NamespaceHosts, start_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKS = ["actors", "reduce", "to_mesh", "compile", "from_dask", "dashboard", "exit"]
+CHECKS = ["actors", "reduce", "to_mesh", "compile", "from_dask", "dashboard", "hosts-table", "exit"]
 
 
 @pytest.fixture
