@@ -9,7 +9,8 @@ kernel has no ``netem`` qdisc); their traffic crosses veth pairs and a bridge, n
 
 ``start_cluster`` runs the stock command lines in them: ``dask scheduler`` on host 0, ``dask worker --nworkers
 W --nthreads 1`` on hosts 2.. (host 1 is left for the controller). ``close`` ends every process started here (its
-process group: SIGTERM, then SIGKILL after 5 s) and deletes the namespaces, also after a failure.
+process group: SIGTERM, then SIGKILL after 5 s) and deletes the namespaces, also after a failure; ``start``
+first deletes those a killed run left (named after a pid that no longer runs).
 
 Needs root, ``ip`` (iproute2) and a kernel that allows network namespaces, veth and bridges;
 ``NamespaceHosts.start`` raises ``HostsUnavailable`` saying which is missing.
@@ -76,6 +77,7 @@ class NamespaceHosts:
             raise HostsUnavailable("`ip` (iproute2) is not installed")
         if os.geteuid() != 0:
             raise HostsUnavailable("making network namespaces needs root (`ip netns add`)")
+        _remove_stale()
         try:
             self._netns(self.switch)
             _ip("-n", self.switch, "link", "set", "lo", "up")
@@ -137,6 +139,32 @@ class NamespaceHosts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _remove_stale() -> None:
+    """Delete the namespaces a run killed before its ``close`` left (``dm<pid>-...``, ``dmc<pid>-...`` of a pid
+    that no longer runs); the processes in them went with that run's process groups or go now."""
+    import re
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=_IP_TIMEOUT).stdout
+    for line in listed.splitlines():
+        match = re.match(r"^(dmc?(\d+)-(?:h\d+|sw))\b", line)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match[2]), 0)
+            continue  # its run is still going
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        for pid in subprocess.run(["ip", "netns", "pids", match[1]], capture_output=True, text=True,
+                                  timeout=_IP_TIMEOUT).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", match[1]], capture_output=True, timeout=_IP_TIMEOUT)
 
 
 def _end(proc: subprocess.Popen, grace: float = 5.0) -> None:
