@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from latency import _rounds  # noqa: E402  (bench/latency.py: p50/p90 of timed rounds)
 
 
-def eager_op_us(mesh, rounds: int, ops: int) -> list[float]:
+def eager_op_us(mesh, rounds: int, ops: int, cpu: list | None = None) -> list[float]:
     """The controller time per ``x + x`` under ``mesh.activate()`` (microseconds), one figure per round of
-    ``ops`` ops, after a warm-up; the mesh catches up between rounds."""
+    ``ops`` ops, after a warm-up; the mesh catches up between rounds. ``cpu``: a list that gets, per round, the
+    CPU time of the controller's process per op (all its threads), in microseconds."""
     with mesh.activate():
         x = torch.ones(4, 4)
         for _ in range(200):
@@ -43,10 +44,12 @@ def eager_op_us(mesh, rounds: int, ops: int) -> list[float]:
         dm.inspect(x + x)
         per_op = []
         for _ in range(rounds):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(ops):
                 x + x
             per_op.append((time.perf_counter() - t0) / ops * 1e6)
+            if cpu is not None:
+                cpu.append((time.process_time() - c0) / ops * 1e6)
             mesh._session.sync("bench").result()
     return per_op
 
