@@ -307,3 +307,42 @@ def test_a_to_mesh_under_way_when_its_peer_is_killed_is_abandoned_at_once(cli_cl
     mesh.exit()  # already reported: quiet
     client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
     works(client)
+
+
+def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
+    """``worker/gloo.abort_work`` (what ``Comms`` calls for a session's pending transfers): a gloo receive and a
+    send that no peer answers return False from ``wait()`` right after it, instead of at the group's 60 s timeout;
+    any other object (a collective's work, a tensor, None) is left alone. Two ranks in this process, no cluster."""
+    import datetime
+
+    import torch.distributed as dist
+    from dask_monarch.worker.gloo import abort_work
+
+    store = dist.HashStore()
+    groups = [None, None]
+
+    def build(rank):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = datetime.timedelta(seconds=60)
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
+
+    builders = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join(60)
+    first, second = groups
+    receive = first.recv([torch.empty(4)], 1, 7)  # rank 1 never sends
+    send = first.send([torch.ones(4)], 1, 8)  # rank 1 never receives
+    for work in (receive, send):
+        waiter = threading.Timer(0.2, abort_work, (work,))
+        waiter.start()
+        start = time.monotonic()
+        assert work.wait() is False
+        assert time.monotonic() - start < 10
+        waiter.join()
+    collective = [first.allreduce([torch.ones(2)]), second.allreduce([torch.ones(2)])]
+    assert [abort_work(w) for w in collective] == [False, False]
+    assert [w.wait() for w in collective] == [True, True]
+    assert abort_work(torch.ones(1)) is False and abort_work(None) is False
