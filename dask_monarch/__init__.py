@@ -51,6 +51,7 @@ from .opaque_object import OpaqueObject, opaque_method
 from .opaque_module import OpaqueModule
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 from . import builtins, random  # noqa: F401 (Monarch's monarch.builtins and monarch.random)
+from . import cached_remote_function  # noqa: F401 (Monarch's monarch.cached_remote_function.remote_autograd_function)
 
 
 def dask_setup(server) -> None:
