@@ -165,3 +165,27 @@ def test_set_device_in_a_remote_function_names_the_devices_available(mesh):
             dm.inspect(x)
         assert "torch.cuda.set_device(2) was called" in info.value.worker_error_string
         assert dm.inspect(torch.ones(1) + 1).item() == 2  # the session goes on
+
+
+class Doubler(dm.Actor):
+    """A Monarch-style actor: derives from Actor, calls its __init__, marks its endpoint."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    @dm.endpoint
+    def double(self, x):
+        return x * 2 + self.k
+
+
+def test_monarchs_tensor_engine_and_actor_names(mesh):
+    assert dm.spawn_tensor_engine(mesh) is mesh  # a dask_monarch mesh already is the tensor engine
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        dm.spawn_tensor_engine("not a mesh")
+    with mesh.activate():
+        ranks = mesh.rank_tensor("host")
+        assert [dm.inspect(ranks, host=h, gpu=0).item() for h in (0, 1)] == [0, 1]
+        actors = mesh.spawn("doubler", Doubler, 1)
+        assert actors.double.call(torch.ones(())).get(timeout=TIMEOUT).item(host=1, gpu=0).item() == 3
+        actors.stop()
