@@ -91,8 +91,8 @@ def test_worker_frames_and_worker_error_string_of_a_text():
 
 # ------------------------------------------------------------------------------------------------ on a mesh
 @pytest.fixture(scope="module")
-def mesh(client2):
-    mesh = dm.attach(client2, dims={"host": 2, "gpu": 1}, comm_timeout=60)
+def mesh(shared_client2):
+    mesh = dm.attach(shared_client2, dims={"host": 2, "gpu": 1}, comm_timeout=60)
     yield mesh
     mesh.exit()
 
