@@ -22,10 +22,14 @@ import collections
 import threading
 
 import cloudpickle
+from dask.sizeof import sizeof
 
 from ..protocol import FetchResult, SessionFailed, Status, WorkerError, tensor_bytes
 
 __all__ = ["Outbox", "dumps_chunk"]
+
+# a ``sync_batch`` task's result may hold an ``OutOfBand`` chunk: Dask's memory manager counts its tensors' bytes
+sizeof.register(tensor_bytes.OutOfBand)(lambda chunk: chunk.nbytes)
 
 #: the answers whose arrival wakes the channel (the controller waits for them); the others ride along
 _PUSHED = (Status, SessionFailed)
