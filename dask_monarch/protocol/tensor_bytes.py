@@ -75,7 +75,9 @@ class OutOfBand:
     """What ``dumps`` returns for an object with large tensors: ``head`` (the pickle, protocol 5) and ``buffers``
     (the tensors' memory, ``pickle.PickleBuffer``, in the order ``head`` refers to them). It pickles (protocol 5)
     as ``loads(head, *buffers)``, the buffers out of band where the pickler has a ``buffer_callback`` (Dask's
-    comms, ``frames.send_frame``), so that unpickling it gives the object itself. ``nbytes``: the bytes of both."""
+    comms, ``frames.send_frame``), so that unpickling it gives the object itself; with protocol 4 (a task result
+    gathered through the scheduler, whose comms use it) the buffers are copied in band. ``nbytes``: the bytes of
+    both."""
 
     __slots__ = ("head", "buffers")
 
@@ -88,8 +90,8 @@ class OutOfBand:
         return len(self.head) + sum(b.raw().nbytes for b in self.buffers)
 
     def __reduce_ex__(self, protocol):
-        if protocol < 5:
-            raise pickle.PicklingError("an answer with out-of-band tensors needs pickle protocol 5")
+        if protocol < 5:  # no out-of-band buffers: copies (the scheduler's comms use protocol 4)
+            return loads, (self.head, *(b.raw().tobytes() for b in self.buffers))
         return loads, (self.head, *self.buffers)
 
 

@@ -19,8 +19,9 @@ waiting on any of them (issue 26 item 6: a port scanner's idle connection once m
 sockets): each has ``TOKEN_TIMEOUT`` seconds to finish its TLS handshake and present the token, read as it arrives
 with a selector, and at most ``MAX_PENDING`` may be presenting at once (more are closed at once); one that presents
 anything else is closed. A frame that declares more than the worker can hold (``frames.receivable``: its Dask
-``memory_limit``, else the machine's memory) ends the sockets before anything is allocated for it. When a socket breaks, both close, and ``on_lost`` puts the comm channel back in charge of the
-outbox (which re-sends the chunks not yet acknowledged); the batches come with their tasks. At the session's end
+``memory_limit``, else the machine's memory) ends the sockets before anything is allocated for it. When a socket
+breaks, both close, and ``on_lost`` puts the comm channel back in charge of the outbox (which re-sends the chunks
+not yet acknowledged); the batches come with their tasks. At the session's end
 the up socket says so (``{"x": True}``) and both close; the reader thread ends on its own.
 """
 
