@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import dask
@@ -348,3 +349,41 @@ def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_soc
         client2.run(_set_token_timeout, next(iter(before.values())))
         for s in strays:
             s.close()
+
+
+def test_a_frame_is_checked_against_the_limit_before_its_buffers_are_read():
+    """``frames.recv_frame``: a header that declares too many buffers, or buffers too large in all, raises
+    ``FrameTooLarge`` naming the size and the limit before reading on; within the limit, a frame of out-of-band
+    tensor buffers comes back whole (the tensors over the received buffers, writable)."""
+    import struct
+
+    from dask_monarch.protocol import tensor_bytes
+    from dask_monarch.protocol.frames import HEADER, FrameTooLarge, recv_frame, send_frame
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(10, 2**32 - 1))
+        with pytest.raises(FrameTooLarge, match=r"declares \d+ bytes, more than this session can receive \(4096 b"):
+            recv_frame(b, 4096)
+        a.sendall(HEADER.pack(10, 2) + struct.pack("<QQ", 2**20, 2**30))
+        with pytest.raises(FrameTooLarge, match=r"declares 1074790410 bytes.*\(2097152 bytes\)"):
+            recv_frame(b, 2**21)
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        x = torch.arange(2**19, dtype=torch.int64)
+        chunk = tensor_bytes.dumps((3, [x, x[:2].clone()]))
+        assert type(chunk) is tensor_bytes.OutOfBand and len(chunk.buffers) == 1
+        sender = threading.Thread(target=send_frame, args=(a, {"c": 3, "d": chunk}, 10.0))
+        sender.start()
+        msg = recv_frame(b, 2**23)
+        sender.join()
+        n, (got, small) = msg["d"]
+        assert msg["c"] == n == 3 and torch.equal(got, x) and small.tolist() == [0, 1]
+        got[0] = -1  # its own memory: writable, and not the sender's
+        assert x[0].item() == 0
+    finally:
+        a.close()
+        b.close()
