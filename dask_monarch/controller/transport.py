@@ -354,7 +354,7 @@ class Transport:
         user of the failed seq; nor a separately pickled fetched value, whose class may import a module), when the
         session lock is free now (a thread holding it may be waiting for this event loop). Returns None if applied,
         else what the answers thread is to apply (the unpickled ``(chunk, messages)``, or ``blob`` itself)."""
-        if len(blob) > self.INLINE_CHUNK:
+        if type(blob) is not bytes or len(blob) > self.INLINE_CHUNK:  # a tuple: one with out-of-band tensors
             return blob
         try:
             decoded = pickle.loads(blob)
