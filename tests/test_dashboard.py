@@ -202,6 +202,13 @@ def test_page_models_show_no_session_then_rows():
     assert page.ranks.height > page.sessions.height  # tables grow with their rows
 
 
+def test_hosts_table_shows_no_rank_behind_as_an_empty_cell():
+    """The hosts table's ``slowest rank`` is None when no rank is behind; Bokeh's default cell showed "(null)"."""
+    page = MonarchPage(fake_scheduler({}, {}))
+    column = next(c for c in page.hosts.columns if c.field == "slowest")
+    assert column.formatter.null_format == ""
+
+
 def test_page_columns_keep_widths_that_fit_their_titles():
     """No header is cut ("inbox batc"): the tables keep their columns' widths (a narrow window scrolls instead of
     squeezing them), and each is wider than its title at the dashboard's font (under 7 px a character, measured
