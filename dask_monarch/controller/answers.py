@@ -140,7 +140,13 @@ class Answers:
             raise AnswerLost(f"Dask future status {status!r}")
 
         async def gather():
-            return (await client.gather([future], asynchronous=True))[0]
+            # errors="skip": a result Dask cannot fetch any more is this session's to report (AnswerLost, then the
+            # session's own error naming the rank), so Dask logs its "Couldn't gather ... rescheduling" at DEBUG,
+            # not as a warning on the program's stderr (seen when a program closes its Client under a session)
+            got = await client.gather([future], errors="skip", asynchronous=True)
+            if not got:
+                raise AnswerLost(f"Dask future status {future.status!r}")
+            return got[0]
 
         pending = asyncio.run_coroutine_threadsafe(gather(), client.loop.asyncio_loop)
         while True:
