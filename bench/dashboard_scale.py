@@ -6,8 +6,9 @@ step and ``dm.report``; the scheduler's ``(sessions, metrics)`` are read as the 
 built (8 ranks per host, each rank a copy of a real rank's heartbeat with its own counters, one rank stuck at 64).
 For ``--beats`` successive heartbeats each is timed through what the page does: ``DashboardData.update`` (the data
 source, every 0.5 s on the scheduler), ``MonarchPage.show`` (the Bokeh models), and the serialization of a new
-page's document (``Document.to_json``: what a browser's first load of the page gets). Prints p50 and max of each,
-in milliseconds, and 64 ranks / 2 ranks. The browser's own drawing is not measured here (no browser on the
+page's document (``Document.to_json``: what a browser's first load of the page gets), the last also in CPU time
+of this process (less disturbed by other processes on a loaded machine). Prints p50 and max of each, in
+milliseconds, and 64 ranks / 2 ranks. The browser's own drawing is not measured here (no browser on the
 development machine; tests/test_dashboard_browser.py loads the page in Chromium where there is one).
 
 Usage::
@@ -91,7 +92,7 @@ def synthetic(sid: str, info: dict, metrics: dict, ranks: int, beat: int) -> tup
 def measure(sid, info, metrics, ranks: int, beats: int) -> dict:
     data = DashboardData()
     page = MonarchPage(None, data=data)
-    times = {"data": [], "page": [], "document": []}
+    times = {"data": [], "page": [], "document": [], "document CPU": []}
     start = time.time()
     for beat in range(beats):
         sessions, m = synthetic(sid, info, metrics, ranks, beat)
@@ -103,13 +104,14 @@ def measure(sid, info, metrics, ranks: int, beats: int) -> dict:
         doc = Document()
         doc.add_root(MonarchPage(None, data=data).root)
         fresh = doc.roots[0]
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         fresh_page = MonarchPage(None, data=data)  # a new browser tab: its page's models, filled, serialized
         fresh_page.show(view)
         doc = Document()
         doc.add_root(fresh_page.root)
         json = doc.to_json()
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.process_time()
+        times["document CPU"].append(c4 - c3)
         times["data"].append(t1 - t0)
         times["page"].append(t2 - t1)
         times["document"].append(t4 - t3)
@@ -124,12 +126,13 @@ def main() -> None:
     args = parser.parse_args()
     sid, info, metrics = real_metrics()
     results = {n: measure(sid, info, metrics, n, args.beats) for n in (2, args.ranks)}
-    names = {"data": "DashboardData.update", "page": "MonarchPage.show", "document": "new page: show + to_json"}
+    names = {"data": "DashboardData.update", "page": "MonarchPage.show", "document": "new page: show + to_json",
+             "document CPU": "  the same, CPU time"}
     for key, name in names.items():
         a, b = results[2][key], results[args.ranks][key]
         print(f"{name:26s} 2 ranks p50 {a[0]:7.1f} ms max {a[1]:7.1f}   {args.ranks} ranks p50 {b[0]:7.1f} ms max "
               f"{b[1]:7.1f}   ratio p50 {b[0] / a[0]:.1f}x")
-    total = sum(results[args.ranks][k][1] for k in results[args.ranks])
+    total = sum(results[args.ranks][k][1] for k in ("data", "page", "document"))
     print(f"{args.ranks} ranks, every stage's max added: {total:.1f} ms (target: under 1,000 ms); {args.beats} "
           f"heartbeats; load {os.getloadavg()[0]:.1f}, cores {os.cpu_count()}")
 

@@ -148,6 +148,27 @@ def test_data_failed_rank_gone_worker_and_second_session():
     assert view["summary"] == "2 sessions, 4 ranks, 1 failed"
 
 
+def test_data_clean_end_stays_ended_when_its_workers_leave_the_cluster_after():
+    """The embedded cluster closes after ``mesh.exit()``: its workers leave once the session has ended cleanly.
+    Seen in a browser (issue 25's screenshots): the ended session read "failed on rank 0, 1", its ranks "worker
+    gone". It stays ``ended``, its ranks ``exited``, and the memory plot keeps naming what it measured."""
+    w = ["tcp://w0", "tcp://w1"]
+    data = DashboardData()
+    info = session({"dp": 2}, w, started=10.0)
+    live = {a: {"time": 1.0, "sessions": {S1: snap(r, world=2)}, "closed": {}} for r, a in enumerate(w)}
+    assert data.update({S1: info}, live, now=20.0)["ranks"]["state"] == ["running", "running"]
+    clean = {**info, "ended": 30.0, "reason": None}
+    view = data.update({S1: clean}, {}, now=31.0)  # both workers have left the cluster
+    assert view["ranks"]["state"] == ["exited", "exited"]
+    assert view["ranks"]["device"] == ["cpu", "cpu"]  # the last heartbeat's: the memory title still says tensors
+    assert view["sessions"]["state"] == ["ended"] and view["health"][0]["state"] == "ended"
+    # a session that failed, then lost its workers, still reads failed and names the gone worker
+    failed = {**info, "ended": 30.0, "reason": "rank 1 failed"}
+    view = data.update({S1: failed}, {}, now=32.0)
+    assert view["ranks"]["state"] == ["worker gone", "worker gone"]
+    assert view["sessions"]["state"][0].startswith("failed")
+
+
 def test_formatting_helpers():
     assert mesh_coords({"a": 2, "b": 3}, 5) == "a=1, b=2"
     assert format_bytes(512) == "512 B" and format_bytes(3 * 1024**3) == "3.0 GiB"
@@ -179,6 +200,13 @@ def test_page_models_show_no_session_then_rows():
     assert list(page.rank_source.data["state"]) == ["worker gone", "running"]
     assert list(page.session_source.data["id"]) == [S1]
     assert page.ranks.height > page.sessions.height  # tables grow with their rows
+
+
+def test_hosts_table_shows_no_rank_behind_as_an_empty_cell():
+    """The hosts table's ``slowest rank`` is None when no rank is behind; Bokeh's default cell showed "(null)"."""
+    page = MonarchPage(fake_scheduler({}, {}))
+    column = next(c for c in page.hosts.columns if c.field == "slowest")
+    assert column.formatter.null_format == ""
 
 
 def test_page_columns_keep_widths_that_fit_their_titles():

@@ -94,7 +94,7 @@ def mesh_coords(dims: dict, rank: int) -> str:
 class _Rank:
     """What the data source keeps of one (session, rank) between heartbeats."""
 
-    __slots__ = ("last", "rate", "window", "series", "progress", "count")
+    __slots__ = ("last", "rate", "window", "series", "progress", "count", "device")
 
     def __init__(self, limit: int):
         self.last = None  # (worker time, received) of the last heartbeat used
@@ -103,6 +103,7 @@ class _Rank:
         self.series = {key: Series(combine, limit) for key, (_, combine) in HISTORIES.items()}
         self.progress = RankProgress()
         self.count = 0  # the rank's count of remote errors, as last reported
+        self.device = ""  # the rank's device at its last heartbeat (kept after the worker has gone)
 
 
 class DashboardData:
@@ -199,7 +200,7 @@ class DashboardData:
                     flagged = self._now(tag, rank, snap, stream_names, now_rows, stacks)
                     self._note_errors(session_id, tag, rank, snap)
                 else:
-                    rank_rows["device"].append("")
+                    rank_rows["device"].append(state.device)  # the last one seen: the memory plot's title
                     for column in ("received", "applied", "queued", "inbox", "refs", "bytes"):
                         rank_rows[column].append(0)
                     rank_rows["streams"].append("")
@@ -208,6 +209,8 @@ class DashboardData:
                         failure = closed[session_id]
                         rank_state = "failed" if failure else "exited"
                         text = f"session failed: {failure}" if failure else ""
+                    elif info.get("ended") and not (info.get("reason") or info.get("lost")):
+                        rank_state, text = "exited", ""  # a clean end; its worker may have left since
                     elif address not in metrics:
                         rank_state, text = "worker gone", f"the worker {address} left the cluster"
                     elif info.get("ended"):
@@ -300,6 +303,7 @@ class DashboardData:
         received = int(snap["received"])
         state.last = (worker_time, received)
         state.count = int(snap.get("errors") or 0)
+        state.device = snap.get("device") or state.device
         if snap.get("progress") is not None:
             state.progress.add(now, int(snap["progress"]))
         values = {"queued": snap["queued"], "bytes": snap["bytes"]}

@@ -27,7 +27,7 @@ import time
 
 from bokeh.layouts import column
 from bokeh.models import (ColumnDataSource, CustomJS, DataTable, DateFormatter, Div, NumberFormatter,
-                          NumeralTickFormatter, TableColumn)
+                          NumeralTickFormatter, StringFormatter, TableColumn)
 from bokeh.plotting import figure
 
 from .data import (ERROR_COLUMNS, NO_SESSION, NOW_COLUMNS, RANK_COLUMNS, RATE_COLUMNS, SESSION_COLUMNS,
@@ -186,7 +186,8 @@ class MonarchPage:
             TableColumn(field="queued", title="queued", formatter=count, width=70),
             TableColumn(field="bytes_text", title="memory held", width=110),
             TableColumn(field="behind", title="most behind (seqs)", formatter=count, width=130),
-            TableColumn(field="slowest", title="slowest rank", width=90),
+            # no rank behind: an empty cell, not Bokeh's "(null)"
+            TableColumn(field="slowest", title="slowest rank", formatter=StringFormatter(null_format=""), width=90),
             TableColumn(field="errors", title="remote errors", width=100),
             TableColumn(field="state", title="state", width=70),
         ])
