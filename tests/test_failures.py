@@ -282,3 +282,62 @@ def test_worker_restarted_at_the_same_address_fails_the_session_naming_it(fixed_
             assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
     finally:
         client.close()
+
+
+SCHEDULER_KILLED = """
+import sys, time
+import torch
+import dask_monarch as dm
+from distributed import Client
+
+client = Client({address!r}, set_as_default=False) if {own_client} else None
+mesh = dm.attach(client or {address!r}, dims={{"dp": 2}}, comm_timeout=60)
+x = dm.remote(torch.add)(mesh.rank("dp"), 1)
+assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
+slow = dm.remote(lambda t: (time.sleep(60), t)[1], propagate=lambda t: torch.empty_like(t))(x)
+future = dm.fetch_shard(slow, dp=1)
+print("ready", flush=True)
+sys.stdin.readline()  # the scheduler was killed
+start = time.monotonic()
+try:
+    future.result(timeout=120)
+except dm.SessionError as e:
+    print("error", round(time.monotonic() - start, 2), str(e).replace("\\n", " "), flush=True)
+start = time.monotonic()
+try:
+    mesh.exit()
+except dm.SessionError:
+    pass
+if client is not None:
+    client.close()
+print("closed", round(time.monotonic() - start, 2), flush=True)
+"""
+
+
+@pytest.mark.parametrize("own_client", [True, False], ids=["program-client", "attach-by-address"])
+def test_a_killed_scheduler_fails_the_session_within_seconds_saying_so(cli_cluster_procs, own_client):
+    """SIGKILL of the ``dask scheduler`` process while a fetch waits (issue 26 item 8): the controller's own
+    connection to the scheduler closes at once, and that fails the session within seconds (not at
+    heartbeat_timeout's 30 s, nor as a rank's lost socket), saying the scheduler is gone; mesh.exit() and closing
+    the Client (the program's, or the one attach made) return at once, and nothing of Dask's Client logs an ERROR
+    or a traceback on stderr by the program's exit. The controller is a program of its own (its stderr is read)."""
+    address, procs = cli_cluster_procs
+    script = textwrap.dedent(SCHEDULER_KILLED.format(address=address, own_client=own_client))
+    controller = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    try:
+        assert controller.stdout.readline().strip() == "ready"
+        procs[0].kill()  # SIGKILL
+        procs[0].wait(30)
+        controller.stdin.write("killed\n")
+        controller.stdin.flush()
+        out, err = controller.communicate(timeout=180)
+    finally:
+        controller.kill()
+    lines = out.splitlines()
+    assert controller.returncode == 0 and len(lines) == 2, (out, err[-3000:])
+    _, took, error = lines[0].split(" ", 2)
+    assert float(took) < 10, lines
+    assert error.startswith("session ") and "the Dask scheduler is gone" in error.split(": ", 1)[1][:60], error
+    assert lines[1].startswith("closed") and float(lines[1].split()[1]) < 10, lines
+    assert "Traceback" not in err and "distributed.client - ERROR" not in err, err[-3000:]

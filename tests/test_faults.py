@@ -346,3 +346,35 @@ def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
     assert [abort_work(w) for w in collective] == [False, False]
     assert [w.wait() for w in collective] == [True, True]
     assert abort_work(torch.ones(1)) is False and abort_work(None) is False
+
+
+def test_iter_from_dask_waiting_on_a_killed_worker_raises_the_session_error(cli_cluster, client_of):
+    """As for from_dask (issue 26 item 1): the second group's partition on rank 1's worker is still computing when
+    that worker is SIGKILLed (3 s in; the first group is read meanwhile, and the second read ahead); iterating
+    wakes with the session's error naming rank 1 within seconds, not a TimeoutError after the groups' timeout."""
+    import dask.array as da
+
+    def _slow_block(block, block_info=None):  # nested: pickled by value (the CLI workers cannot import this module)
+        if block_info[None]["chunk-location"][0] == 3:  # group 1, rank 1's rows
+            time.sleep(120)
+        return block
+
+    client = client_of(cli_cluster)
+    client.wait_for_workers(2, timeout=60)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, liveness_interval=0.5)
+    victim = mesh.workers[1]
+    victim_pid = client.run(os.getpid, workers=[victim])[victim]
+    data = da.arange(8.0, chunks=2).map_blocks(_slow_block, dtype=float)
+    killed = []
+    kill = threading.Timer(3.0, lambda: (os.kill(victim_pid, signal.SIGKILL), killed.append(time.monotonic())))
+    kill.start()
+    with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}"):
+        for _ in dm.iter_from_dask(data, mesh, partitions=1, ahead=1, timeout=120):
+            pass
+    kill.join()
+    assert killed and time.monotonic() - killed[0] < 60  # seconds, not the 120 s timeout
+    try:
+        mesh.exit()
+    except Exception:
+        pass
+    client.wait_for_workers(2, timeout=60)

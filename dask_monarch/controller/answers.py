@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 
 from distributed import as_completed
@@ -88,7 +89,7 @@ class Answers:
             self._wake.notify()
         pending = [f for f, _ in list(self._waiting.values()) if not f.done()]
         self._waiting.clear()
-        if pending:
+        if pending and not self._session.scheduler_gone():  # a scheduler that died forgot them (and would not answer)
             try:
                 self._client.cancel(pending)
             except Exception:  # the client is closing: its tasks go with it
@@ -96,7 +97,15 @@ class Answers:
 
     def _run(self) -> None:
         done, chunks, wake = self._done, self._chunks, self._wake
+        watch_every = self._session.SCHEDULER_WATCH
+        watch_at = time.monotonic() + watch_every
         while not self._stopped.is_set():
+            if time.monotonic() >= watch_at:  # the scheduler's death fails the session even if nobody waits
+                watch_at = time.monotonic() + watch_every
+                try:
+                    self._session.watch_scheduler()
+                except Exception:  # a bug here must not end the thread: later answers still count
+                    logger.exception("dask_monarch: could not check the connection to the scheduler")
             while chunks:
                 rank, blob = chunks.popleft()
                 try:

@@ -24,6 +24,7 @@ from ..worker.device import gpu_of_worker
 from .at_exit import forget, remember
 from .mesh import DeviceMesh
 from .security import check_security, warn_if_unencrypted
+from .liveness import scheduler_gone
 from .session import Session, _local_ranks
 
 __all__ = ["attach"]
@@ -262,7 +263,7 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             callback_timeout=timeout,
         )
         # bounded: exit() must return even when the scheduler no longer answers
-        closers.insert(0, lambda: client.sync(
+        closers.insert(0, lambda: None if scheduler_gone(client) else client.sync(
             client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
         ))
         session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)

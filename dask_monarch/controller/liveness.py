@@ -11,19 +11,61 @@ stopped worker is named, not waited for.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 
 from ..exceptions import SessionError
 from ..worker.plugin import session_state
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "quiet_reconnect", "scheduler_gone"]
 
 #: what the worker's failure text says when a collective or a communicator failed (``worker/comm.py``)
 _COMM_FAILURE = re.compile(r"communicator|among .+ (failed|abandoned)|comm_timeout")
 
 #: statuses of a Dask worker that is going away (``distributed.core.Status``)
 _CLOSING = ("closing", "closing_gracefully", "closed", "stopping", "stopped", "failed")
+
+
+def scheduler_gone(client) -> str:
+    """Why ``client``'s Dask scheduler is gone, as text, or ``""``: the ``Client``'s own connection to it closed
+    (the Client then tries to reconnect: ``Client.status`` is ``"connecting"``), which happens at once when the
+    scheduler's process dies. A scheduler that comes back is a new one, without the session (Dask keeps no state
+    across a scheduler restart). A Client the program closed itself is not reported here."""
+    status = getattr(client, "status", None)
+    comm = getattr(getattr(client, "scheduler_comm", None), "comm", None)
+    try:
+        closed = comm is not None and comm.closed()
+    except Exception:
+        closed = False
+    if status == "connecting" or (status == "running" and closed):
+        address = getattr(getattr(client, "scheduler", None), "address", "?")
+        return (f"the Dask scheduler is gone: the Client's connection to it ({address}) closed, so the session's "
+                "state there (its tasks, rendezvous and workers' sessions) is lost")
+    return ""
+
+
+class _QuietReconnect(logging.Filter):
+    """Drops what Dask's ``Client`` logs at ERROR when the program closes a Client that is still trying to reconnect
+    to a scheduler that died: the ``CancelledError`` of its reconnect, with its traceback (``distributed.utils.
+    log_errors`` around ``Client._reconnect``), or "Failed to reconnect to scheduler after 30.00 seconds, closing
+    client" (which it also says when the program closed it sooner). Installed on logger ``distributed.client``
+    once a session has reported that death (``quiet_reconnect``), whose error already says it; nothing else is
+    dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        return not (isinstance(record.msg, str) and record.msg.startswith("Failed to reconnect to scheduler"))
+
+
+_QUIET_RECONNECT = _QuietReconnect()
+
+
+def quiet_reconnect() -> None:
+    """Install ``_QuietReconnect`` (once: ``Logger.addFilter`` adds a filter once)."""
+    logging.getLogger("distributed.client").addFilter(_QUIET_RECONNECT)
 
 
 class Liveness:
@@ -73,6 +115,9 @@ class Liveness:
         parallel, each bounded by ``PROBE_TIMEOUT``."""
         timeout = self.PROBE_TIMEOUT
         client = self.client
+        gone = self.scheduler_gone()
+        if gone:  # the workers are asked through the scheduler
+            return {a: f"could not be asked: {gone}" for a in addresses}
 
         async def ask(address):
             try:
@@ -99,6 +144,9 @@ class Liveness:
         by ``timeout`` (default ``heartbeat_timeout``: a scheduler busy with a large graph may take seconds to
         answer, and a silent scheduler is judged like a silent worker)."""
         timeout = self.heartbeat_timeout if timeout is None else timeout
+        gone = self.scheduler_gone()
+        if gone:  # a question would wait for its connect timeout
+            raise ConnectionError(gone)
         answer = self.client.sync(
             self.client.scheduler.monarch_worker_ages, workers=self.workers, callback_timeout=timeout
         )
@@ -147,9 +195,30 @@ class Liveness:
                     "its event loop is blocked")
         return ""
 
+    def scheduler_gone(self) -> str:
+        """Why the Dask scheduler is gone, as text, or ``""`` (``scheduler_gone(self.client)``)."""
+        return scheduler_gone(self.client)
+
+    def watch_scheduler(self) -> None:
+        """Fail the session if the scheduler is gone (``scheduler_gone``). Cheap (no question to anyone): the
+        answers thread calls it every ``SCHEDULER_WATCH`` seconds, so a session fails within that of the scheduler's
+        death even while the program waits for nothing."""
+        if self.failure is not None or self.closed:
+            return
+        gone = self.scheduler_gone()
+        if gone:
+            self._fail(SessionError(f"session {self.id}: {gone}"))
+
+    #: seconds between the answers thread's checks of the Client's connection to the scheduler (``watch_scheduler``)
+    SCHEDULER_WATCH = 0.25
+
     def check_alive(self) -> None:
-        """Raise ``SessionError`` if the session failed, a worker of the mesh left the cluster, or one has been
-        silent for longer than ``heartbeat_timeout`` (a stopped process, which Dask keeps for its worker-ttl)."""
+        """Raise ``SessionError`` if the session failed, the scheduler is gone (``scheduler_gone``), a worker of the
+        mesh left the cluster, or one has been silent for longer than ``heartbeat_timeout`` (a stopped process,
+        which Dask keeps for its worker-ttl)."""
+        if self.failure is not None:
+            raise self.failure
+        self.watch_scheduler()
         if self.failure is not None:
             raise self.failure
         try:

@@ -34,7 +34,7 @@ from .bookkeeping import Bookkeeping
 from .debugger import Debugger
 from .coalescing import refuse_wait
 from .future import MonarchFuture
-from .liveness import Liveness
+from .liveness import Liveness, quiet_reconnect
 from .propagation import Propagator
 from .transport import Transport
 
@@ -289,6 +289,11 @@ class Session(Transport, Bookkeeping, Liveness):
         (e.g. "could not read rank 1's answers: ... Stream is closed") has nobody to tell."""
         if self.closed:
             return
+        gone = self.scheduler_gone()
+        if gone:
+            quiet_reconnect()  # the Client's own ERROR lines about it, once the program closes it, would only repeat it
+            if gone not in str(error):  # what a rank or a task saw of it (a socket, a cancelled task) follows
+                error = SessionError(f"session {self.id}: {gone} (meanwhile: {error})")
         with self.lock:
             if self.failure is not None:
                 return
@@ -312,6 +317,8 @@ class Session(Transport, Bookkeeping, Liveness):
             except Exception:  # the Client closed meanwhile (its connection pool refuses): nothing left to tell
                 pass
 
+        if gone:  # nobody to tell: the question would only wait for its connect timeout
+            return
         try:
             self.client.loop.add_callback(close_on_scheduler)
         except Exception:

@@ -375,9 +375,13 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
             flat = output if output.is_contiguous() else output.contiguous()
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = opts_op
+            src = tensor.contiguous()
+            nan = _nan_mask(src, reduction)
             work = _post(comms, group, "reduce-scatter",
-                         lambda: group._reduce_scatter_base(flat.view(-1), tensor.contiguous().view(-1), opts))
+                         lambda: group._reduce_scatter_base(flat.view(-1), src.view(-1), opts))
             _wait(work, "reduce-scatter", members, comms)
+            if nan is not None:
+                _propagate_nan(group, members, comms, nan, flat, scatter=True)
             if flat is not output:
                 output.copy_(flat)
             return output
@@ -388,8 +392,11 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
         else:
             output = tensor.clone()
         dense = output if output.is_contiguous() else output.contiguous()
+        nan = _nan_mask(dense, reduction)
         _wait(_post(comms, group, "all-reduce", lambda: group.allreduce([dense], _allreduce_options(reduction))),
               "all-reduce", members, comms)
+        if nan is not None:
+            _propagate_nan(group, members, comms, nan, dense, scatter=False)
         if dense is not output:
             output.copy_(dense)
         return output
@@ -398,6 +405,40 @@ def reduce(group, size: int, tensor: torch.Tensor, reduction: Reduction, scatter
     except Exception as e:
         backend = group.name() if hasattr(group, "name") else type(group).__name__
         raise CommError(f"{backend} refused {reduction.value} (scatter={scatter}): {type(e).__name__}: {e}") from None
+
+
+def _nan_mask(tensor: torch.Tensor, reduction: Reduction) -> torch.Tensor | None:
+    """Where this rank's input of a ``max``/``min`` reduce is NaN (a uint8 tensor of its shape), or None when the
+    reduction or the dtype has no NaN to carry. Taken before the collective, which may write over the input."""
+    if reduction not in (Reduction.Max, Reduction.Min) or not tensor.dtype.is_floating_point:
+        return None
+    return torch.isnan(tensor).to(torch.uint8)
+
+
+def _propagate_nan(group, members: str, comms, nan: torch.Tensor, output: torch.Tensor, scatter: bool) -> None:
+    """Make ``output`` (the result of a ``max``/``min`` all-reduce, or this rank's part of a reduce-scatter) NaN
+    wherever any rank's input was NaN (``nan``: ``_nan_mask`` of this rank's input), as ``torch.maximum`` /
+    ``torch.minimum`` do: gloo's and NCCL's max/min keep or drop a NaN depending on which rank holds it. Every rank
+    first learns whether any rank holds a NaN (a one-element all-reduce); only then are the masks reduced (max over
+    uint8, scattered like the data for a reduce-scatter). The same collectives in the same order on every rank."""
+    any_nan = nan.amax().reshape(1) if nan.numel() else torch.zeros(1, dtype=torch.uint8, device=nan.device)
+    _wait(_post(comms, group, "NaN check of a max/min reduce",
+                lambda: group.allreduce([any_nan], _allreduce_options(Reduction.Max))),
+          "NaN check of a max/min reduce", members, comms)
+    if not any_nan.item():
+        return
+    if scatter:
+        mask = torch.empty(output.shape, dtype=torch.uint8, device=output.device)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        work = _post(comms, group, "NaN mask of a max/min reduce-scatter",
+                     lambda: group._reduce_scatter_base(mask.view(-1), nan.view(-1), opts))
+    else:
+        mask = nan
+        work = _post(comms, group, "NaN mask of a max/min all-reduce",
+                     lambda: group.allreduce([mask], _allreduce_options(Reduction.Max)))
+    _wait(work, "NaN mask of a max/min reduce", members, comms)
+    output.masked_fill_(mask.bool(), float("nan"))
 
 
 def _abort_gloo(addresses) -> None:

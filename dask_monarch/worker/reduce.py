@@ -18,10 +18,14 @@ __all__ = ["ReduceHandler"]
 _MISSING = object()
 
 
-def _mismatch(value, shape, dtype) -> str | None:
-    """Why ``value`` cannot stand for a tensor of ``shape`` and ``dtype`` in a collective, or None if it can."""
+def _mismatch(value, shape, dtype, layout=torch.strided) -> str | None:
+    """Why ``value`` cannot stand for a tensor of ``shape``, ``dtype`` and ``layout`` in a collective, or None if it
+    can."""
     if not isinstance(value, torch.Tensor):
         return f"is a {type(value).__name__}, not a tensor"
+    if value.layout != layout:  # gloo fails a sparse one only after the exchange, and the session with it
+        return (f"has layout {value.layout}, but the controller expects {layout} (collectives take dense tensors: "
+                "t.to_dense())")
     if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
         return (
             f"has shape {list(value.shape)} and dtype {value.dtype}, but the controller expects shape "
@@ -69,7 +73,7 @@ class ReduceHandler:
         if type(value) is SeqError:
             error, value = value, factory.zeros(device)
         else:
-            problem = _mismatch(value, factory.size, factory.dtype)
+            problem = _mismatch(value, factory.size, factory.dtype, factory.layout)
             if problem is not None:
                 # every rank must hand the collective the controller's shape and dtype, or the peers wait for
                 # bytes that never come (gloo: until comm_timeout): take part with zeros, fail the result
