@@ -24,6 +24,13 @@ from dask_monarch.worker.plugin import PLUGIN_NAME
 TIMEOUT = 60
 
 
+@pytest.fixture(autouse=True)
+def _a_link_per_rank():
+    """These tests are about each rank's own answer sockets: no host relay (``monarch.answer-tree``; the relays have
+    tests/test_tree.py)."""
+    with dask.config.set({"monarch.answer-tree": False}):
+        yield
+
 
 def _socket_threads(session_id: str) -> list:
     """The session's answer-socket threads on a worker (``Client.run``)."""
@@ -90,7 +97,7 @@ def test_sockets_that_cannot_be_opened_leave_the_comm_channel_and_the_worker_sto
     def refuse(offer, direction, ssl_context, timeout):
         raise ConnectionRefusedError("refused by the test")
 
-    monkeypatch.setattr(controller_sockets, "_connect", refuse)
+    monkeypatch.setattr(controller_sockets, "connect", refuse)
     with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
         session = mesh._session
         channels = session.channels

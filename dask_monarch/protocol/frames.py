@@ -16,7 +16,7 @@ import pickle
 import socket
 import struct
 
-__all__ = ["ACCEPTED", "DOWN", "UP", "TOKEN_BYTES", "recv_exact", "recv_frame", "send_frame", "shutdown"]
+__all__ = ["ACCEPTED", "DOWN", "UP", "TOKEN_BYTES", "connect", "recv_exact", "recv_frame", "send_frame", "shutdown"]
 
 HEADER = struct.Struct("<Q")
 TOKEN_BYTES = 32
@@ -79,3 +79,24 @@ def shutdown(sock: socket.socket | None) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def connect(offer: dict, direction: bytes, ssl_context, timeout: float) -> socket.socket:
+    """One socket to a worker's offer (``{"host", "port", "token", "tls"}``), the token presented and accepted,
+    within ``timeout`` seconds; ``direction`` is ``DOWN`` or ``UP``. Used by the controller (``controller/sockets.py``)
+    and by a host's relay (``worker/relay.py``). Raises ``OSError``, ``ssl.SSLError``, ``EOFError``, or
+    ``ConnectionRefusedError`` if the worker refused the token."""
+    raw = socket.create_connection((offer["host"], offer["port"]), timeout=timeout)
+    sock = raw
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(raw, server_hostname=offer["host"])
+        sock.sendall(offer["token"] + direction)
+        if bytes(recv_exact(sock, 1)) != ACCEPTED:
+            raise ConnectionRefusedError("the worker refused the token")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise

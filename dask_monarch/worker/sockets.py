@@ -82,6 +82,8 @@ class SocketEnd:
                 msg = recv_frame(down)
                 if "b" in msg:
                     inbox.put(msg["b"], msg["s"])
+                elif "r" in msg:  # a host's relay connected (``worker/relay.py``): answers go through it alone
+                    outbox.relayed = True
                 for chunk in msg.get("a", ()):
                     outbox.acked(chunk)
         except Exception as e:  # closed, broken, or never connected
