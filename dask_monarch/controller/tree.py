@@ -144,7 +144,7 @@ class HostLink(SocketLink):
                         session._handle(rank, msg, note)
                     continue
                 if session.answers is not None:  # every rank's Status, as without the relay (``record_answers``)
-                    session.answers.extend((r, Status(messages)) for r in self.ranks)
+                    session.answers.extend((r, Status(messages, session.workers[r])) for r in self.ranks)
                 if session.history.status_many(self.ranks, messages):
                     session._advanced()
 
