@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import threading
 
 from distributed.comm import connect
 
@@ -132,11 +133,11 @@ class HostLink(SocketLink):
             elif kind == "x":
                 channels.ended.add(entry[1])
             elif kind == "l" and not session.closed and entry[1] not in channels.ended:
-                rank = entry[1]
-                session._fail(SessionError(
-                    f"session {session.id}: the answer sockets of rank {rank} ({session.workers[rank]}) to its "
-                    f"host's relay on rank {self.rank} ({session.workers[self.rank]}) broke ({entry[2]}): its worker "
-                    f"died or stopped{session._meanwhile()}"))
+                # its worker died, most likely: the scheduler ends the session on the others, whose report names it
+                # (SessionFailed, through this relay); failing here is the bound if nothing else comes
+                timer = threading.Timer(self.LOST_GRACE, self._rank_lost, (entry[1], entry[2]))
+                timer.daemon = True
+                timer.start()
         with session.lock:
             for rank, messages, note in decoded:
                 if rank is not None:
@@ -147,6 +148,18 @@ class HostLink(SocketLink):
                     session.answers.extend((r, Status(messages, session.workers[r])) for r in self.ranks)
                 if session.history.status_many(self.ranks, messages):
                     session._advanced()
+
+    #: seconds between a rank's sockets to the relay breaking and the session failing for it, unless the scheduler's
+    #: report of the rank's worker leaving (a ``SessionFailed`` of the others) came first
+    LOST_GRACE = 5.0
+
+    def _rank_lost(self, rank: int, why: str) -> None:
+        session = self.channels.session
+        if session.failure is None and not session.closed and rank not in self.channels.ended:
+            session._fail(SessionError(
+                f"session {session.id}: the answer sockets of rank {rank} ({session.workers[rank]}) to its host's "
+                f"relay on rank {self.rank} ({session.workers[self.rank]}) broke ({why}): its worker died or "
+                f"stopped{session._meanwhile()}"))
 
     def _gone(self, error: BaseException) -> None:
         """The relay's sockets broke: its ranks' answers had no other way, so the session fails naming the leader's

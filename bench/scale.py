@@ -1,0 +1,147 @@
+"""How the controller's costs grow with the mesh (issue 23 item 7): for each rank count N, a stock CLI cluster
+(``dask scheduler``, ``dask worker --nworkers N --nthreads 1``, loopback only) and the public API only:
+
+* ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms);
+* ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
+  the sync after it not counted);
+* ``sched CPU``: the scheduler process's CPU % during the op loop (``psutil``);
+* ``attach``: seconds of ``dm.attach(client, dims={"dp": N})``.
+
+Each figure is printed with its ratio against the 1-rank one of the same run (and of the same ``--answer-tree``
+setting). ``--answer-tree both`` measures the host relays off and on alternately on the same cluster, side by
+side (Dask config ``monarch.answer-tree``).
+
+Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 3000] [--answer-tree on|off|both]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import dask
+import psutil
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+
+
+def _dask() -> list[str]:
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
+    return [exe] if exe else [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+
+
+class CliCluster:
+    """``dask scheduler`` and ``dask worker --nworkers n --nthreads 1`` on 127.0.0.1, stopped on exit."""
+
+    def __init__(self, n: int):
+        self.dir = tempfile.mkdtemp(prefix="monarch-scale-")
+        file = os.path.join(self.dir, "scheduler.json")
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.scheduler = subprocess.Popen(_dask() + ["scheduler", "--host", "127.0.0.1", "--port", "0",
+                                                      "--dashboard-address", ":0", "--scheduler-file", file], **quiet)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(file):
+            if time.monotonic() > deadline or self.scheduler.poll() is not None:
+                raise RuntimeError("dask scheduler did not start within 60 s")
+            time.sleep(0.1)
+        time.sleep(0.2)
+        self.workers = subprocess.Popen(_dask() + ["worker", "--scheduler-file", file, "--nworkers", str(n),
+                                                    "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+                                        **quiet)
+        self.client = Client(scheduler_file=file, set_as_default=False)
+        self.client.wait_for_workers(n, timeout=180)
+
+    def close(self) -> None:
+        self.client.close()
+        for proc in (self.workers, self.scheduler):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            except Exception:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except Exception:
+                    pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def measure(client, n: int, fetches: int, ops: int, scheduler: psutil.Process) -> dict:
+    start = time.perf_counter()
+    mesh = dm.attach(client, dims={"dp": n})
+    attach = time.perf_counter() - start
+    try:
+        with mesh.activate():
+            x = torch.arange(4.0) + 1
+        for _ in range(30):
+            dm.inspect(x)
+        times = []
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            dm.inspect(x)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        with mesh.activate():
+            for _ in range(200):
+                y = x + x
+            dm.inspect(y)
+            scheduler.cpu_percent(None)
+            t0 = time.perf_counter()
+            for _ in range(ops):
+                y = x + x
+            loop = time.perf_counter() - t0
+            cpu = scheduler.cpu_percent(None)
+        dm.inspect(y)
+    finally:
+        mesh.exit()
+    return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
+            "op": loop / ops * 1e6, "sched CPU": cpu, "attach": attach}
+
+
+UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "sched CPU": "%", "attach": "s"}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated rank counts (default 1,2,4,8)")
+    parser.add_argument("--fetches", type=int, default=300, help="timed fetches per mesh (default 300)")
+    parser.add_argument("--ops", type=int, default=3000, help="timed eager ops per mesh (default 3000)")
+    parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
+                        help="Dask config monarch.answer-tree: the host relays on, off, or both alternately")
+    args = parser.parse_args(argv)
+    counts = [int(v) for v in args.ranks.split(",")]
+    settings = {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
+    rows: dict = {}
+    for n in counts:
+        cluster = CliCluster(n)
+        try:
+            scheduler = psutil.Process(cluster.scheduler.pid)
+            for tree in settings:
+                with dask.config.set({"monarch.answer-tree": tree}):
+                    rows[n, tree] = measure(cluster.client, n, args.fetches, args.ops, scheduler)
+                print(f"ranks {n}, answer-tree {tree}: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[n, tree].items()),
+                      flush=True)
+        finally:
+            cluster.close()
+    print(f"\nbench/scale.py ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
+          f"{args.ops} ops per mesh; ratios against 1 rank of the same setting, or the smallest mesh)")
+    base_n = counts[0]
+    for tree in settings:
+        print(f"\nmonarch.answer-tree: {str(tree).lower()}")
+        print(f"{'ranks':>5}" + "".join(f"{k + ' (' + UNITS[k] + ')':>22}" for k in UNITS))
+        for n in counts:
+            row, base = rows[n, tree], rows[base_n, tree]
+            cells = [f"{row[k]:.3g} ({row[k] / base[k]:.2f}x)" if base[k] else f"{row[k]:.3g}" for k in UNITS]
+            print(f"{n:>5}" + "".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
