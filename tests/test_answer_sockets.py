@@ -94,10 +94,10 @@ def test_a_bad_config_value_is_refused_naming_the_key(client2):
 
 
 def test_sockets_that_cannot_be_opened_leave_the_comm_channel_and_the_worker_stops_waiting(client2, monkeypatch):
-    def refuse(offer, direction, ssl_context, timeout):
+    def refuse(offer, ssl_context, timeout):
         raise ConnectionRefusedError("refused by the test")
 
-    monkeypatch.setattr(controller_sockets, "connect", refuse)
+    monkeypatch.setattr(controller_sockets, "connect_pair", refuse)
     with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
         session = mesh._session
         channels = session.channels

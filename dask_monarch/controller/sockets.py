@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..protocol.frames import DOWN, UP, connect, recv_frame, send_frame, shutdown
+from ..protocol.frames import connect_pair, recv_frame, send_frame, shutdown
 
 __all__ = ["SocketLink"]
 
@@ -45,12 +45,7 @@ class SocketLink:
     def __init__(self, channels, rank: int, offer: dict, ssl_context, timeout: float):
         self.channels = channels
         self.rank = rank
-        self.down = connect(offer, DOWN, ssl_context, timeout)
-        try:
-            self.up = connect(offer, UP, ssl_context, timeout)
-        except BaseException:
-            self.down.close()
-            raise
+        self.down, self.up = connect_pair(offer, ssl_context, timeout)
         self.lost: BaseException | None = None
         self._lock = threading.Lock()  # writes on the down socket, and the pending acknowledgements
         self._acks: list = []

@@ -16,7 +16,7 @@ import pickle
 import socket
 import struct
 
-__all__ = ["ACCEPTED", "DOWN", "UP", "TOKEN_BYTES", "connect", "recv_exact", "recv_frame", "send_frame", "shutdown"]
+__all__ = ["ACCEPTED", "DOWN", "UP", "TOKEN_BYTES", "connect", "connect_pair", "recv_exact", "recv_frame", "send_frame", "shutdown"]
 
 HEADER = struct.Struct("<Q")
 TOKEN_BYTES = 32
@@ -99,4 +99,14 @@ def connect(offer: dict, direction: bytes, ssl_context, timeout: float) -> socke
         return sock
     except BaseException:
         sock.close()
+        raise
+
+
+def connect_pair(offer: dict, ssl_context, timeout: float) -> tuple[socket.socket, socket.socket]:
+    """The ``(down, up)`` sockets to a worker's offer (``connect`` twice); nothing left open if either fails."""
+    down = connect(offer, DOWN, ssl_context, timeout)
+    try:
+        return down, connect(offer, UP, ssl_context, timeout)
+    except BaseException:
+        down.close()
         raise

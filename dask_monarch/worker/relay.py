@@ -34,7 +34,7 @@ import pickle
 import threading
 
 from ..protocol import FetchResult, Status
-from ..protocol.frames import DOWN, UP, connect, recv_frame, send_frame, shutdown
+from ..protocol.frames import connect_pair, recv_frame, send_frame, shutdown
 from ..protocol.session_id import session_tag
 from .sockets import SEND_TIMEOUT, SocketEnd
 
@@ -55,12 +55,7 @@ class _RankLink:
     def __init__(self, relay, rank: int, offer: dict, ssl_context):
         self.relay = relay
         self.rank = rank
-        self.down = connect(offer, DOWN, ssl_context, CONNECT_TIMEOUT)
-        try:
-            self.up = connect(offer, UP, ssl_context, CONNECT_TIMEOUT)
-        except BaseException:
-            self.down.close()
-            raise
+        self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
         self.lock = threading.Lock()  # writes on the down socket
         self.ended = False
         self.send({"r": True})  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
