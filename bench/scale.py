@@ -36,7 +36,7 @@ import dask_monarch as dm
 
 def _dask() -> list[str]:
     exe = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
-    return [exe] if exe else [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    return [exe] if exe else [sys.executable, "-m", "dask"]  # the same CLI (its dask_cli entry points)
 
 
 class CliCluster:
