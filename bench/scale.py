@@ -5,13 +5,16 @@
 * ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
   the sync after it not counted);
 * ``sched CPU``: the scheduler process's CPU % during the op loop (``psutil``);
-* ``attach``: seconds of ``dm.attach(client, dims={"dp": N})``.
+* ``attach``: seconds of ``dm.attach(client, dims={"dp": N})`` on warm workers (the first attach, which imports
+  dask_monarch and torch on every worker, is printed on its own).
 
-Each figure is printed with its ratio against the 1-rank one of the same run (and of the same ``--answer-tree``
-setting). ``--answer-tree both`` measures the host relays off and on alternately on the same cluster, side by
-side (Dask config ``monarch.answer-tree``).
+One cluster of the largest N workers; a mesh of N ranks is attached on its first N workers, all meshes at once,
+and they are measured in turn, round by round, so that each sees the same load (a shared 2-core machine's load
+changes by the minute). Each figure is printed with its ratio against the smallest mesh's of the same setting.
+``--answer-tree both`` measures the host relays off and on side by side (Dask config ``monarch.answer-tree``).
 
-Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 3000] [--answer-tree on|off|both]``.
+Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 3000] [--rounds 10]
+[--answer-tree on|off|both]``.
 """
 
 from __future__ import annotations
@@ -74,36 +77,45 @@ class CliCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def measure(client, n: int, fetches: int, ops: int, scheduler: psutil.Process) -> dict:
-    start = time.perf_counter()
-    mesh = dm.attach(client, dims={"dp": n})
-    attach = time.perf_counter() - start
-    try:
-        with mesh.activate():
-            x = torch.arange(4.0) + 1
+class Case:
+    """One mesh of ``n`` ranks (the first ``n`` workers) with ``monarch.answer-tree`` ``tree``, and its samples."""
+
+    def __init__(self, client, n: int, tree: bool):
+        self.n, self.tree = n, tree
+        with dask.config.set({"monarch.answer-tree": tree}):
+            start = time.perf_counter()
+            self.mesh = dm.attach(client, dims={"dp": n})
+            self.attach = time.perf_counter() - start
+        with self.mesh.activate():
+            self.x = torch.arange(4.0) + 1
+            for _ in range(200):
+                y = self.x + self.x
         for _ in range(30):
-            dm.inspect(x)
-        times = []
+            dm.inspect(y)
+        self.fetches: list = []
+        self.ops: list = []
+        self.cpu: list = []
+
+    def round(self, fetches: int, ops: int, scheduler: psutil.Process) -> None:
+        x = self.x
         for _ in range(fetches):
             t0 = time.perf_counter()
             dm.inspect(x)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        with mesh.activate():
-            for _ in range(200):
-                y = x + x
-            dm.inspect(y)
+            self.fetches.append(time.perf_counter() - t0)
+        with self.mesh.activate():
             scheduler.cpu_percent(None)
             t0 = time.perf_counter()
             for _ in range(ops):
                 y = x + x
-            loop = time.perf_counter() - t0
-            cpu = scheduler.cpu_percent(None)
+            self.ops.append((time.perf_counter() - t0) / ops)
+            self.cpu.append(scheduler.cpu_percent(None))
         dm.inspect(y)
-    finally:
-        mesh.exit()
-    return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
-            "op": loop / ops * 1e6, "sched CPU": cpu, "attach": attach}
+
+    def figures(self) -> dict:
+        times = sorted(self.fetches)
+        return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
+                "op": statistics.median(self.ops) * 1e6, "sched CPU": statistics.median(self.cpu),
+                "attach": self.attach}
 
 
 UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "sched CPU": "%", "attach": "s"}
@@ -114,31 +126,37 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated rank counts (default 1,2,4,8)")
     parser.add_argument("--fetches", type=int, default=300, help="timed fetches per mesh (default 300)")
     parser.add_argument("--ops", type=int, default=3000, help="timed eager ops per mesh (default 3000)")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
     parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
-                        help="Dask config monarch.answer-tree: the host relays on, off, or both alternately")
+                        help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.ranks.split(",")]
     settings = {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
-    rows: dict = {}
-    for n in counts:
-        cluster = CliCluster(n)
-        try:
-            scheduler = psutil.Process(cluster.scheduler.pid)
-            for tree in settings:
-                with dask.config.set({"monarch.answer-tree": tree}):
-                    rows[n, tree] = measure(cluster.client, n, args.fetches, args.ops, scheduler)
-                print(f"ranks {n}, answer-tree {tree}: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[n, tree].items()),
-                      flush=True)
-        finally:
-            cluster.close()
+    cluster = CliCluster(max(counts))
+    cases = []
+    try:
+        scheduler = psutil.Process(cluster.scheduler.pid)
+        start = time.perf_counter()
+        dm.attach(cluster.client, dims={"dp": max(counts)}).exit()  # the workers' first session (imports, plugin)
+        cold = time.perf_counter() - start
+        print(f"first attach of {max(counts)} ranks (cold workers): {cold:.1f} s", flush=True)
+        cases = [Case(cluster.client, n, tree) for n in counts for tree in settings]
+        for _ in range(args.rounds):  # every mesh in turn, round by round: the same load for each
+            for case in cases:
+                case.round(max(1, args.fetches // args.rounds), max(1, args.ops // args.rounds), scheduler)
+        rows = {(c.n, c.tree): c.figures() for c in cases}
+    finally:
+        for case in cases:
+            case.mesh.exit()
+        cluster.close()
     print(f"\nbench/scale.py ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
-          f"{args.ops} ops per mesh; ratios against 1 rank of the same setting, or the smallest mesh)")
-    base_n = counts[0]
+          f"{args.ops} ops per mesh in {args.rounds} rounds, the meshes in turn on one cluster of {max(counts)} "
+          f"workers; ratios against the {counts[0]}-rank mesh of the same setting)")
     for tree in settings:
         print(f"\nmonarch.answer-tree: {str(tree).lower()}")
         print(f"{'ranks':>5}" + "".join(f"{k + ' (' + UNITS[k] + ')':>22}" for k in UNITS))
         for n in counts:
-            row, base = rows[n, tree], rows[base_n, tree]
+            row, base = rows[n, tree], rows[counts[0], tree]
             cells = [f"{row[k]:.3g} ({row[k] / base[k]:.2f}x)" if base[k] else f"{row[k]:.3g}" for k in UNITS]
             print(f"{n:>5}" + "".join(f"{c:>22}" for c in cells))
 
