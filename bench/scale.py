@@ -4,7 +4,7 @@
 * ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms);
 * ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
   the sync after it not counted);
-* ``sched CPU``: the scheduler process's CPU % during the op loop (``psutil``);
+* ``sched CPU``: the scheduler process's CPU time during the op loops over their wall time, in % (``psutil``);
 * ``attach``: seconds of ``dm.attach(client, dims={"dp": N})`` on warm workers (the first attach, which imports
   dask_monarch and torch on every worker, is printed on its own).
 
@@ -13,7 +13,7 @@ and they are measured in turn, round by round, so that each sees the same load (
 changes by the minute). Each figure is printed with its ratio against the smallest mesh's of the same setting.
 ``--answer-tree both`` measures the host relays off and on side by side (Dask config ``monarch.answer-tree``).
 
-Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 3000] [--rounds 10]
+Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
 [--answer-tree on|off|both]``.
 """
 
@@ -103,18 +103,21 @@ class Case:
             dm.inspect(x)
             self.fetches.append(time.perf_counter() - t0)
         with self.mesh.activate():
-            scheduler.cpu_percent(None)
+            cpu = scheduler.cpu_times()
             t0 = time.perf_counter()
             for _ in range(ops):
                 y = x + x
-            self.ops.append((time.perf_counter() - t0) / ops)
-            self.cpu.append(scheduler.cpu_percent(None))
+            wall = time.perf_counter() - t0
+            after = scheduler.cpu_times()
+        self.ops.append(wall / ops)
+        self.cpu.append((after.user + after.system - cpu.user - cpu.system, wall))
         dm.inspect(y)
 
     def figures(self) -> dict:
         times = sorted(self.fetches)
         return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
-                "op": statistics.median(self.ops) * 1e6, "sched CPU": statistics.median(self.cpu),
+                "op": statistics.median(self.ops) * 1e6,
+                "sched CPU": 100 * sum(c for c, _ in self.cpu) / sum(w for _, w in self.cpu),
                 "attach": self.attach}
 
 
@@ -125,7 +128,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated rank counts (default 1,2,4,8)")
     parser.add_argument("--fetches", type=int, default=300, help="timed fetches per mesh (default 300)")
-    parser.add_argument("--ops", type=int, default=3000, help="timed eager ops per mesh (default 3000)")
+    parser.add_argument("--ops", type=int, default=10000, help="timed eager ops per mesh (default 10000)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
     parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
                         help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")

@@ -135,7 +135,8 @@ class Outbox:
                 chunks = sorted(self._retained.items())
             taken = self._take()
             if taken is not None:
-                self._retained[taken[0]] = taken[1]
+                if not self.relayed:  # a relay is acknowledged by nobody: losing it fails the session instead
+                    self._retained[taken[0]] = taken[1]
                 chunks.append(taken)
             self._cond.notify_all()  # a task waiting for the pushes under way: this one is done
             return chunks

@@ -22,9 +22,9 @@ relay's):
 
 A chunk of ``Status`` alone is absorbed here; one of ``Status`` and ``FetchResult`` waits for the next ``("s",
 seq)``, so that a fetch costs the controller one answer per host; anything else (a failure) goes at once, with
-what waited before it. The relay acknowledges each rank's chunks at once: the relay is the only way its ranks'
-answers travel, and the controller fails the session when the relay's sockets break (its worker died), naming the
-leader's worker, instead of looking elsewhere for them.
+what waited before it. Nothing is acknowledged: a relayed rank's outbox keeps no chunk (``Outbox.push``), since
+the relay is the only way its answers travel and the controller fails the session when the relay's sockets break
+(its worker died), naming the leader's worker, instead of looking elsewhere for them.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ class _RankLink:
                     self.ended = True
                     relay.ended(rank)
                     continue
-                self.send({"a": [msg["c"]]})  # the relay has it: the rank need not keep it
-                relay.chunk(rank, msg["d"])
+                relay.chunk(rank, msg["d"])  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
         finally:
