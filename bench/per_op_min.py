@@ -33,27 +33,30 @@ try:
         for _ in range(200):
             add(a, b)
         dm.inspect(add(a, b))
-        rb = []
+        rb, cb = [], []
         for _ in range(R):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(N):
                 add(a, b)
             rb.append((time.perf_counter() - t0) / N * 1e6)
+            cb.append((time.process_time() - c0) / N * 1e6)
             one._session.sync("b").result()
-        rd = []
+        rd, cd = [], []
         with one.activate():
             x = torch.ones(4, 4)
             for _ in range(200):
                 x + x
             dm.inspect(x + x)
             for _ in range(R):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(N):
                     x + x
                 rd.append((time.perf_counter() - t0) / N * 1e6)
+                cd.append((time.process_time() - c0) / N * 1e6)
                 one._session.sync("d").result()
 finally:
     client.close()
     cluster.close()
 print(f"{sys.argv[1] if len(sys.argv) > 1 else ''}: (b) min {min(rb):.1f} median {statistics.median(rb):.1f} us  (d) min {min(rd):.1f} median "
-      f"{statistics.median(rd):.1f} us  load {os.getloadavg()[0]:.1f}", flush=True)
+      f"{statistics.median(rd):.1f} us  cpu (b) {statistics.median(cb):.1f} (d) {statistics.median(cd):.1f} us  "
+      f"load {os.getloadavg()[0]:.1f}", flush=True)

@@ -11,6 +11,7 @@ One Python program, the controller, drives PyTorch on a mesh of Dask workers::
 """
 
 from .controller import (
+    Actor,
     ActorMesh,
     Endpoint,
     as_endpoint,
@@ -42,6 +43,7 @@ from .controller import (
     report,
     show,
     slice_mesh,
+    spawn_tensor_engine,
     to_mesh,
 )
 from .data import Pipe, create_pipe, from_dask, iter_from_dask, to_dask, to_dask_dataframe
@@ -51,6 +53,7 @@ from .opaque_object import OpaqueObject, opaque_method
 from .opaque_module import OpaqueModule
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 from . import builtins, random  # noqa: F401 (Monarch's monarch.builtins and monarch.random)
+from . import cached_remote_function  # noqa: F401 (Monarch's monarch.cached_remote_function.remote_autograd_function)
 
 
 def dask_setup(server) -> None:
@@ -68,6 +71,7 @@ def dask_setup(server) -> None:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Actor",
     "ActorMesh",
     "Endpoint",
     "as_endpoint",
@@ -109,6 +113,7 @@ __all__ = [
     "report",
     "show",
     "slice_mesh",
+    "spawn_tensor_engine",
     "to_mesh",
     "to_dask",
     "to_dask_dataframe",

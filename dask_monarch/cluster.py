@@ -1,7 +1,11 @@
 """The embedded default cluster that ``dask_monarch.attach()`` starts when given no cluster
-(DESIGN.md "The picture"): a Dask scheduler in this process, with its dashboard, and one single-threaded Dask
-worker (under its nanny) per rank, one per GPU if there are GPUs, else CPU workers; started and stopped with
-the mesh.
+(DESIGN.md "The picture"): a Dask scheduler, with its dashboard, and one single-threaded Dask worker (under its
+nanny) per rank, one per GPU if there are GPUs, else CPU workers; started and stopped with the mesh.
+
+The scheduler runs in a process of its own (``SchedulerProcess``), not in this one: a scheduler in the controller's
+process shares its GIL with the script's eager loop, and each took time from the other (issue 23: an eager op cost
+37 to 49 us at 1 rank on an in-process scheduler against 27 to 33 us on an external one). It closes itself if this
+process dies without closing it (``dask_monarch.scheduler.parent_watch``).
 
 Each worker runs in a fresh ``python -m dask spec`` process (``distributed.deploy.subprocess.SubprocessWorker``),
 not a ``multiprocessing`` child of this one. ``multiprocessing``'s spawn and forkserver children import the
@@ -18,24 +22,27 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 
 import dask
 import torch
 from distributed import Scheduler, SpecCluster
-from distributed.deploy.subprocess import SubprocessWorker
+from distributed.deploy.subprocess import Subprocess, SubprocessWorker
 from distributed.worker_memory import parse_memory_limit
 
-__all__ = ["WorkerProcess", "default_worker_count", "gpu_sharing_error", "start_local_cluster", "visible_gpus",
+__all__ = ["SchedulerProcess", "WorkerProcess", "default_worker_count", "gpu_sharing_error", "start_local_cluster", "visible_gpus",
            "wait_for_workers"]
 
 logger = logging.getLogger("dask_monarch.cluster")
 
 #: Dask's default dashboard port, taken when it is free
 DASHBOARD_PORT = 8787
-_CLOSE_GRACE = 5.0  # seconds a worker process gets to close after SIGTERM before it is killed
+_CLOSE_GRACE = 5.0  # seconds a worker or scheduler process gets to close after SIGTERM before it is killed
+_SCHEDULER_START = 60.0  # seconds the scheduler process gets to write its scheduler file (imports under load)
 
 
 def visible_gpus() -> list[str]:
@@ -88,26 +95,101 @@ class WorkerProcess(SubprocessWorker):
 
     async def _start(self) -> None:
         spec = json.dumps({"cls": self.worker_class, "opts": self.worker_kwargs})
-        config = dask.config.config
-        level = self.worker_kwargs.get("silence_logs")
-        if level:  # the nanny's own logs, as LocalCluster's silence_logs does for nannies in its process
-            config = dask.config.merge(config, {"logging": {"distributed": logging.getLevelName(level).lower()}})
         # at the end a nanny gives its worker 4 s to close, then kills it with a WARNING ("Worker process still
         # alive after 4.0 seconds, killing"), seen on a loaded machine after every mesh had ended: harmless here
         # (``close`` kills what is left anyway), and it reads like a failure of a normal exit
-        config = dask.config.merge(config, {"logging": {"distributed.nanny": "error"}})
-        env = {**os.environ, "DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(config), **self.env}
+        env = _child_env(self.worker_kwargs.get("silence_logs"), {"distributed.nanny": "error"}, self.env)
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dask", "spec", self.scheduler, "--spec", spec, env=env, start_new_session=True,
         )
 
     async def close(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.terminate()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.process.wait(), _CLOSE_GRACE)
+        await _terminate(self.process)
         await super().close()
+
+
+def _child_env(level: int | None, loggers: dict, env: dict) -> dict:
+    """The environment of a ``python -m dask spec`` child: this process's, with its Dask configuration
+    (``DASK_INTERNAL_INHERIT_CONFIG``), Dask's logs below ``level`` dropped (as ``LocalCluster``'s
+    ``silence_logs`` does in its process), the log levels ``loggers`` and the changes ``env``."""
+    config = dask.config.config
+    if level:
+        config = dask.config.merge(config, {"logging": {"distributed": logging.getLevelName(level).lower()}})
+    config = dask.config.merge(config, {"logging": loggers})
+    return {**os.environ, "DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(config), **env}
+
+
+async def _terminate(process) -> None:
+    """SIGTERM ``process`` (a ``python -m dask spec`` child, which then closes what it runs) and wait up to
+    ``_CLOSE_GRACE`` seconds; ``Subprocess.close`` kills what is left after."""
+    if process is not None and process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(process.wait(), _CLOSE_GRACE)
+
+
+class SchedulerProcess(Subprocess):
+    """A Dask scheduler in a fresh ``python -m dask spec`` process (as Dask's ``SubprocessScheduler`` starts one),
+    with this process's Dask configuration and environment, in a session of its own, and the preload
+    ``dask_monarch.scheduler.parent_watch`` (it closes itself if this process dies without closing it).
+    ``scheduler_kwargs`` are ``distributed.Scheduler``'s (JSON values). Its address is read from the scheduler
+    file it writes (a temporary directory, removed at ``close``); ``start`` raises ``RuntimeError`` if the
+    process exits first or writes none within ``timeout`` seconds. Unlike ``SubprocessScheduler`` its output is
+    not piped (an unread pipe would stop a scheduler that logs a lot once the pipe is full)."""
+
+    def __init__(self, scheduler_kwargs: dict | None = None, *, silence_logs: int | None = None,
+                 timeout: float = _SCHEDULER_START):
+        self.scheduler_kwargs = dict(scheduler_kwargs or {})
+        self.silence_logs = silence_logs
+        self.timeout = timeout
+        self.address = None
+        self._dir = None
+        super().__init__()
+
+    async def _start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="dask-monarch-scheduler-")
+        path = os.path.join(self._dir, "scheduler.json")
+        # given ``preload``, the Scheduler ignores ``distributed.scheduler.preload``: keep the configured ones
+        preload = self.scheduler_kwargs.get("preload") or dask.config.get("distributed.scheduler.preload") or []
+        preload = [preload] if isinstance(preload, str) else list(preload)
+        preload.append("dask_monarch.scheduler.parent_watch")
+        opts = {**self.scheduler_kwargs, "scheduler_file": path, "preload": preload}
+        spec = json.dumps({"cls": "distributed.Scheduler", "opts": opts})
+        env = _child_env(self.silence_logs, {}, {})
+        port = str(self.scheduler_kwargs.get("dashboard_address", "")).rpartition(":")[2]
+        if port.isdigit():
+            # with the port taken Dask binds a free one and says so in a UserWarning ("Perhaps you already have a
+            # cluster running?"), which reads like a failure; the link printed at attach gives the port
+            env["PYTHONWARNINGS"] = ",".join(
+                filter(None, [env.get("PYTHONWARNINGS"), f"ignore:Port {port} is already in use:UserWarning"]))
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dask", "spec", "--spec", spec, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):  # not there yet, or half written
+                with open(path) as f:
+                    self.address = json.load(f)["address"]
+                return
+            if self.process.returncode is not None:
+                raise RuntimeError(
+                    f"the embedded Dask cluster's scheduler process exited with code {self.process.returncode} "
+                    f"before it started; its output above says why (command: {sys.executable} -m dask spec ...)"
+                )
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"the embedded Dask cluster's scheduler process wrote no address within {self.timeout:g} s; the "
+                    "machine may be overloaded"
+                )
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await _terminate(self.process)
+        await super().close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
 
 class _WorkersFirstCluster(SpecCluster):
@@ -121,9 +203,10 @@ class _WorkersFirstCluster(SpecCluster):
 
 
 def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
-                        dashboard: str | None = None) -> SpecCluster:
+                        dashboard: str | None = None, scheduler_process: bool = True) -> SpecCluster:
     """A cluster of ``n_workers`` single-threaded worker processes on this machine (``WorkerProcess``), with its
-    scheduler in this process listening on 127.0.0.1 and its dashboard on ``dashboard`` (default: 127.0.0.1, on
+    scheduler in a process of its own (``SchedulerProcess``; ``scheduler_process=False``: in this process, as
+    before issue 23, for comparisons) listening on 127.0.0.1 and its dashboard on ``dashboard`` (default: 127.0.0.1, on
     Dask's default port 8787, or a free port if that is taken: ``mesh.dashboard_link`` says which). With GPUs, worker ``i`` gets ``CUDA_VISIBLE_DEVICES`` rotated to
     start at GPU ``i`` (as dask-cuda does), so its own GPU is its device 0 and every GPU stays visible. Each
     worker's memory limit is this machine's memory over ``n_workers`` (as ``LocalCluster``'s); ``silence_logs``
@@ -138,9 +221,14 @@ def start_local_cluster(n_workers: int, *, silence_logs: int = logging.WARNING,
     if problem:
         raise ValueError(problem)
     host = "127.0.0.1"
-    scheduler = {"cls": Scheduler, "options": {
+    scheduler_kwargs = {
         "host": host, "port": 0, "dashboard": True, "dashboard_address": dashboard or f"{host}:{DASHBOARD_PORT}",
-    }}
+    }
+    if scheduler_process:
+        scheduler = {"cls": SchedulerProcess, "options": {"scheduler_kwargs": scheduler_kwargs,
+                                                          "silence_logs": silence_logs}}
+    else:
+        scheduler = {"cls": Scheduler, "options": scheduler_kwargs}
     options = {
         "nthreads": 1, "host": host, "dashboard": True, "dashboard_address": f"{host}:0",
         "memory_limit": parse_memory_limit("auto", 1, n_workers, logger=logger), "silence_logs": silence_logs,

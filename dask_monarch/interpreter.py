@@ -8,9 +8,10 @@ last one (DESIGN.md "Performance design": the per-message cost is the budget).
   5 ms, and the first batch of a controller sending 200,000 messages reached its worker after up to 1.2 s
   instead of 0.03 s (``bench/dispatch.py --device cuda`` on 2 x H200).
 * Gen-0 of the cyclic garbage collector's thresholds, Dask config ``monarch.gc-threshold`` (allocations, default
-  20,000; Python's own is 700), in the workers only: at 700, collections promote the messages in flight between
-  the dispatcher and stream threads and cost a worker more than half its time per message
-  (``bench/dispatch.py --profile``).
+  20,000; Python's own is 700), in the workers and the controller: at 700, collections promote the messages in
+  flight between the dispatcher and stream threads and cost a worker more than half its time per message
+  (``bench/dispatch.py --profile``); on the controller each eager op makes a few tracked objects (its ``Tensor``,
+  message, lists), so a gen-0 collection ran every few dozen ops.
 
 A value of 0 (or None) leaves Python's setting alone. ``hold``/``release`` count holders, so sessions may open
 and close in any order, and a controller and a worker in one process share the settings.

@@ -150,3 +150,12 @@ def _unflatten(leaves, cls) -> OpaqueRef:
 
 
 register_pytree_node(OpaqueRef, _flatten, _unflatten, serialized_type_name="dask_monarch.OpaqueRef")
+
+
+def __getattr__(name: str):
+    # ``_key_table`` (Monarch's ``opaque_ref._key_table``): in a remote function, the objects that this rank keeps
+    # for the calling session's refs, a ``WeakTensorKeyDictionary`` keyed by the refs' keys; empty elsewhere
+    if name == "_key_table":
+        table = session_table(create=False)
+        return WeakTensorKeyDictionary() if table is None else table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,9 @@
 """Shared fixtures: real ``distributed.LocalCluster`` worker processes (no simulated cluster, gloo for comms).
 
-Clusters are module-scoped to keep the suite fast; every test gets its own controller session (a new
-``attach``), which is what isolates sessions from each other on a shared cluster.
+The clusters of one, two and four workers are shared by the whole run (session-scoped: starting and stopping a
+cluster of torch-importing worker processes was a third of the suite's time); every test gets its own controller
+session (a new ``attach``), which is what isolates sessions from each other on a shared cluster, as on a user's
+long-lived cluster. Tests that kill, stop for long or restart workers make clusters of their own.
 """
 
 from __future__ import annotations
@@ -29,25 +31,49 @@ def _cluster(n: int) -> LocalCluster:
     )
 
 
-@pytest.fixture(scope="module")
-def client1():
-    """A client of a cluster with one worker process."""
+@pytest.fixture(scope="session")
+def shared_client1():
+    """The whole run's client of a cluster with one worker process (for module-scoped meshes)."""
     with _cluster(1) as cluster, Client(cluster) as client:
         yield client
 
 
-@pytest.fixture(scope="module")
-def client2():
-    """A client of a cluster with two worker processes."""
+@pytest.fixture(scope="session")
+def shared_client2():
+    """The whole run's client of a cluster with two worker processes (for module-scoped meshes)."""
     with _cluster(2) as cluster, Client(cluster) as client:
         yield client
 
 
-@pytest.fixture(scope="module")
-def client4():
-    """A client of a cluster with four worker processes."""
+@pytest.fixture(scope="session")
+def shared_client4():
+    """The whole run's client of a cluster with four worker processes (for module-scoped meshes)."""
     with _cluster(4) as cluster, Client(cluster) as client:
         yield client
+
+
+# Each test sees its cluster's client as Dask's current client (Client.as_current), as a program with one client
+# does: with the three shared clients alive at once, Dask's default would otherwise be the last one created, and a
+# collection computed outside a mesh's `with` would run on another cluster ("lost dependencies").
+@pytest.fixture
+def client1(shared_client1):
+    """A client of a cluster with one worker process."""
+    with shared_client1.as_current():
+        yield shared_client1
+
+
+@pytest.fixture
+def client2(shared_client2):
+    """A client of a cluster with two worker processes."""
+    with shared_client2.as_current():
+        yield shared_client2
+
+
+@pytest.fixture
+def client4(shared_client4):
+    """A client of a cluster with four worker processes."""
+    with shared_client4.as_current():
+        yield shared_client4
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import dask
@@ -205,7 +206,7 @@ def test_the_worker_end_accepts_only_the_token_it_offered():
 
     box = _Box()
     lost = []
-    end = SocketEnd("0123456789abcdef", 0, box, box, "127.0.0.1", None, lost.append)
+    end = SocketEnd("0123456789abcdef", 0, box, box, "127.0.0.1", None, lost.append, 2**30)
     try:
         offer = end.offer
         wrong = socket.create_connection((offer["host"], offer["port"]), timeout=10)
@@ -226,3 +227,170 @@ def test_the_worker_end_accepts_only_the_token_it_offered():
     assert not end.thread.is_alive() and lost == []
     for s in good:
         s.close()
+
+
+def _connect_end(end, direction):
+    from dask_monarch.protocol.frames import ACCEPTED, recv_exact
+
+    s = socket.create_connection((end.offer["host"], end.offer["port"]), timeout=10)
+    s.sendall(end.offer["token"] + direction)
+    assert bytes(recv_exact(s, 1)) == ACCEPTED
+    return s
+
+
+def test_an_idle_and_a_wrong_connection_delay_nothing_and_are_closed_after_the_token_bound():
+    """Issue 26 item 6: connections opened before the controller's (one idle, one with a wrong token, one that
+    sends half a token) do not hold up the controller's, which are accepted at once; the idle ones are closed
+    after ``TOKEN_TIMEOUT``."""
+    from dask_monarch.protocol.frames import DOWN, UP
+    from dask_monarch.worker import sockets as worker_sockets
+    from dask_monarch.worker.sockets import SocketEnd
+
+    box = _Box()
+    lost = []
+    end = SocketEnd("0123456789abcdef", 0, box, box, "127.0.0.1", None, lost.append, 2**30)
+    strays, good = [], []
+    try:
+        address = (end.offer["host"], end.offer["port"])
+        strays = [socket.create_connection(address, timeout=10) for _ in range(3)]
+        strays[1].sendall(bytes(32) + UP)  # a wrong token
+        strays[2].sendall(end.offer["token"][:10])  # half the token, then nothing
+        time.sleep(0.2)  # the worker has accepted them all
+        start = time.monotonic()
+        good = [_connect_end(end, DOWN), _connect_end(end, UP)]
+        took = time.monotonic() - start
+        assert took < worker_sockets.TOKEN_TIMEOUT / 2, took  # not after an idle connection's bound
+        end.attach()
+        assert wait_until(lambda: box.attached == [end], 10)
+        for s in strays:  # each closed: the wrong one at once, the idle ones at their bound
+            s.settimeout(worker_sockets.TOKEN_TIMEOUT + 10)
+            assert s.recv(1) == b""
+    finally:
+        end.close()
+        end.thread.join(10)
+        for s in strays + good:
+            s.close()
+    assert not end.thread.is_alive() and lost == []
+
+
+def test_a_frame_larger_than_the_session_can_receive_is_refused_before_allocating():
+    """Issue 26 item 6: with the token, a header that declares more than the worker's limit ends the sockets with
+    an error that says so; one within the limit allocates only as its bytes arrive (RSS grows by far less than
+    the 1 GiB declared while none came)."""
+    import psutil
+
+    from dask_monarch.protocol.frames import DOWN, HEADER, UP
+    from dask_monarch.worker.sockets import SocketEnd
+
+    me = psutil.Process()
+    for declared, limit in ((2**40, 2**32), (2**30, 2**32)):
+        box = _Box()
+        lost = []
+        end = SocketEnd("0123456789abcdef", 0, box, box, "127.0.0.1", None, lost.append, limit)
+        down = up = None
+        try:
+            down, up = _connect_end(end, DOWN), _connect_end(end, UP)
+            end.attach()
+            assert wait_until(lambda: box.attached == [end], 10)
+            before = me.memory_info().rss
+            down.sendall(HEADER.pack(declared, 0) + bytes(1000))
+            if declared > limit:
+                assert wait_until(lambda: lost, 10)
+                assert type(lost[0]).__name__ == "FrameTooLarge"
+                assert f"declares {declared} bytes, more than this session can receive ({limit} bytes)" in str(lost[0])
+            else:
+                time.sleep(0.5)
+                assert not lost and end.thread.is_alive()
+            assert me.memory_info().rss - before < 100 * 2**20, (me.memory_info().rss - before) / 2**20
+        finally:
+            end.close()
+            end.thread.join(10)
+            for s in (down, up):
+                if s is not None:
+                    s.close()
+        assert not end.thread.is_alive()
+
+
+def _set_token_timeout(seconds: float) -> float:
+    """Set the worker's ``TOKEN_TIMEOUT`` (``Client.run``); the value before."""
+    from dask_monarch.worker import sockets as worker_sockets
+
+    before, worker_sockets.TOKEN_TIMEOUT = getattr(worker_sockets, "TOKEN_TIMEOUT", seconds), seconds
+    return before
+
+
+def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_sockets(client2, monkeypatch):
+    """Issue 26 item 6: an idle connection and a wrong-token one to each offered port, opened before the controller
+    connects (a port scanner), neither delay the controller's connections (the workers' ``TOKEN_TIMEOUT`` is raised
+    to 60 s here: waiting for the idle one would take that long) nor cost the session its sockets."""
+    real = controller_sockets._connect
+    strays, times = [], []
+
+    def stray_first(offer, direction, ssl_context, timeout):
+        if direction == b"d":
+            strays.append(socket.create_connection((offer["host"], offer["port"]), timeout=10))
+            wrong = socket.create_connection((offer["host"], offer["port"]), timeout=10)
+            wrong.sendall(bytes(33))
+            strays.append(wrong)
+            time.sleep(0.2)  # the worker has accepted them
+        start = time.monotonic()
+        try:
+            return real(offer, direction, ssl_context, timeout)
+        finally:
+            times.append(time.monotonic() - start)
+
+    monkeypatch.setattr(controller_sockets, "_connect", stray_first)
+    before = client2.run(_set_token_timeout, 60.0)
+    try:
+        with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
+            channels = mesh._session.channels
+            assert all(link is not None for link in channels.links) and not channels.socket_reasons, \
+                channels.socket_reasons
+            assert len(strays) == 4 and len(times) == 4
+            assert max(times) < 10, times
+            with mesh.activate():
+                t = torch.arange(3.0) + mesh.rank("dp")
+            assert dm.inspect(t, dp=1).tolist() == [1.0, 2.0, 3.0]
+            assert channels.socket_chunks[1] > 0 and channels.comm_chunks == [0, 0]
+    finally:
+        client2.run(_set_token_timeout, next(iter(before.values())))
+        for s in strays:
+            s.close()
+
+
+def test_a_frame_is_checked_against_the_limit_before_its_buffers_are_read():
+    """``frames.recv_frame``: a header that declares too many buffers, or buffers too large in all, raises
+    ``FrameTooLarge`` naming the size and the limit before reading on; within the limit, a frame of out-of-band
+    tensor buffers comes back whole (the tensors over the received buffers, writable)."""
+    import struct
+
+    from dask_monarch.protocol import tensor_bytes
+    from dask_monarch.protocol.frames import HEADER, FrameTooLarge, recv_frame, send_frame
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(10, 2**32 - 1))
+        with pytest.raises(FrameTooLarge, match=r"declares \d+ bytes, more than this session can receive \(4096 b"):
+            recv_frame(b, 4096)
+        a.sendall(HEADER.pack(10, 2) + struct.pack("<QQ", 2**20, 2**30))
+        with pytest.raises(FrameTooLarge, match=r"declares 1074790410 bytes.*\(2097152 bytes\)"):
+            recv_frame(b, 2**21)
+    finally:
+        a.close()
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        x = torch.arange(2**19, dtype=torch.int64)
+        chunk = tensor_bytes.dumps((3, [x, x[:2].clone()]))
+        assert type(chunk) is tensor_bytes.OutOfBand and len(chunk.buffers) == 1
+        sender = threading.Thread(target=send_frame, args=(a, {"c": 3, "d": chunk}, 10.0))
+        sender.start()
+        msg = recv_frame(b, 2**23)
+        sender.join()
+        n, (got, small) = msg["d"]
+        assert msg["c"] == n == 3 and torch.equal(got, x) and small.tolist() == [0, 1]
+        got[0] = -1  # its own memory: writable, and not the sender's
+        assert x[0].item() == 0
+    finally:
+        a.close()
+        b.close()

@@ -70,6 +70,16 @@ def test_worker_mesh_members_are_lists():
     assert (wdm.dims["b"].members, wdm.dims["a"].members) == ([4, 5, 6, 7], [2, 6, 10])
 
 
+def test_worker_mesh_takes_monarchs_constructor_arguments():
+    """Monarch's worker builds its mesh as DeviceMesh(def_id, names, processes, rank=r); ours takes that form too."""
+    wdm = WorkerDeviceMesh(7, ("a", "b"), Slice(0, [3, 4], [4, 1]), rank=6)
+    assert (wdm.id, wdm.me, wdm.dims["b"].members, wdm.dims["a"].rank) == (7, 6, [4, 5, 6, 7], 1)
+    assert WorkerDeviceMesh(7, ("a", "b"), Slice(0, [3, 4], [4, 1]), 6).dims["a"].members == [2, 6, 10]
+    assert WorkerDeviceMesh(("a", "b"), Slice(0, [3, 4], [4, 1]), 6).id is None
+    with pytest.raises(TypeError, match="Monarch's"):
+        WorkerDeviceMesh(("a", "b"), Slice(0, [3, 4], [4, 1]))
+
+
 def test_worker_frames_and_worker_error_string_of_a_text():
     backtrace = ('Traceback (most recent call last):\n  File "/w/a.py", line 3, in outer_fn\n    inner_fn()\n'
                  '  File "/w/a.py", line 7, in inner_fn\n    raise ValueError("no")\nValueError: no\n')
@@ -81,8 +91,8 @@ def test_worker_frames_and_worker_error_string_of_a_text():
 
 # ------------------------------------------------------------------------------------------------ on a mesh
 @pytest.fixture(scope="module")
-def mesh(client2):
-    mesh = dm.attach(client2, dims={"host": 2, "gpu": 1}, comm_timeout=60)
+def mesh(shared_client2):
+    mesh = dm.attach(shared_client2, dims={"host": 2, "gpu": 1}, comm_timeout=60)
     yield mesh
     mesh.exit()
 
@@ -139,3 +149,43 @@ def test_monarchs_test_panic_path_fails_the_session_with_its_phrase(client2):
         dm.remote("__test_panic", propagate="inspect")()
         with pytest.raises(dm.SessionError, match="__test_panic called"):
             dm.inspect(torch.ones(2, 3))
+
+
+def set_device_then_ones(device):
+    torch.cuda.set_device(device)
+    return torch.ones(1)
+
+
+def test_set_device_in_a_remote_function_names_the_devices_available(mesh):
+    """Monarch's worker refuses torch.cuda.set_device to a device it was not given, with its phrase; a CPU worker
+    has none (before, torch's own AttributeError about torch._C)."""
+    with mesh.activate():
+        x = dm.remote(set_device_then_ones, propagate=lambda device: torch.empty(1))(2)
+        with pytest.raises(dm.RemoteException, match="Only devices None are available to monarch worker") as info:
+            dm.inspect(x)
+        assert "torch.cuda.set_device(2) was called" in info.value.worker_error_string
+        assert dm.inspect(torch.ones(1) + 1).item() == 2  # the session goes on
+
+
+class Doubler(dm.Actor):
+    """A Monarch-style actor: derives from Actor, calls its __init__, marks its endpoint."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    @dm.endpoint
+    def double(self, x):
+        return x * 2 + self.k
+
+
+def test_monarchs_tensor_engine_and_actor_names(mesh):
+    assert dm.spawn_tensor_engine(mesh) is mesh  # a dask_monarch mesh already is the tensor engine
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        dm.spawn_tensor_engine("not a mesh")
+    with mesh.activate():
+        ranks = mesh.rank_tensor("host")
+        assert [dm.inspect(ranks, host=h, gpu=0).item() for h in (0, 1)] == [0, 1]
+        actors = mesh.spawn("doubler", Doubler, 1)
+        assert actors.double.call(torch.ones(())).get(timeout=TIMEOUT).item(host=1, gpu=0).item() == 3
+        actors.stop()

@@ -1,14 +1,17 @@
 """``dm.compile`` (spec §7 "Client"; Monarch's ``compile``): Monarch's compile cases of test_coalescing.py
-(spec §9) on CPU workers, with ``Compiled.recordings`` standing for Monarch's patched ``_record_and_define`` call
-count, plus errors inside replays, refused waits, and recordings across sub-meshes."""
+(spec §9) on CPU workers, with ``Compiled.recordings`` and a patched ``_record_and_define`` (Monarch's name) counting
+recordings, plus errors inside replays, refused waits, and recordings across sub-meshes."""
 
 from __future__ import annotations
+
+from unittest.mock import patch
 
 import pytest
 import torch
 
 import dask_monarch as dm
 from dp_steps import dp_step, twin_mlps
+from dask_monarch.controller.compile import _record_and_define
 from dask_monarch.protocol import CallRecording, DefineRecording
 
 TIMEOUT = 60
@@ -290,9 +293,11 @@ def test_compile_verify(mesh1):
         def add(b):
             return a + b
 
-        for _ in range(3):
-            add(torch.rand(3, 4))
+        with patch("dask_monarch.controller.compile._record_and_define", side_effect=_record_and_define) as rec:
+            for _ in range(3):
+                add(torch.rand(3, 4))
         assert add.recordings == 2  # recorded, then recorded again once to verify
+        assert rec.call_count == 2  # both through Monarch's _record_and_define; the third call replayed
 
         c = False
 

@@ -123,11 +123,12 @@ def test_data_where_each_rank_is_now_stacks_errors_and_history():
     data.update(sessions, metrics(10.0, 10), now=120.0)
     view = data.update(sessions, metrics(11.0, 30), now=121.0)
     now = view["now"]
-    assert now["rank"] == [0, 0, 1, 1] and now["stream"] == ["main", "dispatcher", "main", "side"]
-    assert now["state"] == ["idle", "idle", "STUCK", "idle"]
-    assert now["message"] == ["last: Reduce seq 4: sum over dp", "last: CreateStream", "CallFunction seq 2: job.sleepy",
+    # the stuck thread first, then the others by rank (data.py ``_stuck_first``)
+    assert now["rank"] == [1, 0, 0, 1] and now["stream"] == ["main", "main", "dispatcher", "side"]
+    assert now["state"] == ["STUCK", "idle", "idle", "idle"]
+    assert now["message"] == ["CallFunction seq 2: job.sleepy", "last: Reduce seq 4: sum over dp", "last: CreateStream",
                               ""]
-    assert now["for_text"] == ["", "", "1m 15s", ""] and now["flagged"] == [False, False, True, False]
+    assert now["for_text"] == ["1m 15s", "", "", ""] and now["flagged"] == [True, False, False, False]
     assert view["stacks"] == [{"session": T1, "rank": 1, "stream": "main", "text": stack,
                                "title": f"{T1} rank 1, stream main: busy 1m 15s on CallFunction seq 2: job.sleepy"}]
     # one error per rank that reported it, in time order, kept once however many heartbeats carry it
@@ -318,3 +319,47 @@ def test_live_slow_rank_is_flagged_with_its_stack_and_the_session_ends_in_the_ta
     ended = wait_until(lambda: (v := client2.run_on_scheduler(view))["health"] and
                        v["ranks"]["state"] == ["exited", "exited"] and v, "the session's ranks shown as exited")
     assert ended["health"][0]["state"] == "ended" and ended["health"][0]["age"].startswith("ran ")
+
+
+def test_64_ranks_on_8_hosts_a_row_per_host_and_stuck_failed_lagging_ranks_first():
+    """Issue 23 item 8: at 64 ranks the page lists the ranks that need a look first (stuck, then failed, then most
+    behind) and sums each host up in a row; its tables scroll past ``MAX_ROWS`` and its plots drop the legend."""
+    from types import SimpleNamespace
+
+    from dask_monarch.dashboard.page import MAX_ROWS
+
+    workers = [f"tcp://10.231.0.{10 + h}:{4000 + g}" for h in range(8) for g in range(8)]
+    sessions = {S1: {**session(workers), "dims": {"host": 8, "gpu": 8}}}
+
+    def metrics(t):
+        out = {}
+        for r, w in enumerate(workers):
+            if r == 50:
+                continue  # its worker left the cluster
+            now = [now_entry("0", busy=True, for_s=90.0, flagged=True)] if r == 37 else []
+            out[w] = {"time": t, "closed": {}, "sessions": {S1: snap(
+                r, received=100, queued=5 if r == 12 else 0, progress=2 if r == 12 else 10, now=now)}}
+        return out
+
+    data = DashboardData()
+    data.update(sessions, metrics(10.0), now=120.0)
+    view = data.update(sessions, metrics(11.0), now=121.0)
+    ranks = view["ranks"]
+    assert ranks["rank"][:4] == [37, 50, 12, 0] and ranks["rank"][4:] == [r for r in range(1, 64) if r not in (12, 37, 50)]
+    assert ranks["state"][:3] == ["running", "worker gone", "running"] and ranks["behind"][:4] == [0, 0, 8, 0]
+    hosts = view["hosts"]
+    assert hosts["host"] == [f"10.231.0.{10 + h}" for h in (4, 6, 1, 0, 2, 3, 5, 7)]
+    assert hosts["ranks"] == [8] * 8 and sum(hosts["running"]) == 63
+    assert hosts["stuck"] == [1, 0, 0, 0, 0, 0, 0, 0] and hosts["failed"] == [0, 1, 0, 0, 0, 0, 0, 0]
+    assert hosts["state"][:3] == ["stuck", "failed", "running"]
+    assert hosts["behind"][:3] == [0, 0, 8] and hosts["slowest"][:3] == [None, None, 12]
+    assert hosts["bytes_text"][0] == "8.0 KiB tensors"  # 8 ranks of 1 KiB
+    assert view["now"]["rank"][0] == 37 and view["now"]["state"][0] == "STUCK"
+
+    scheduler = SimpleNamespace(plugins={"dask-monarch": SimpleNamespace(sessions=sessions)},
+                                workers={a: SimpleNamespace(metrics={"monarch": m}) for a, m in metrics(12.0).items()})
+    page = MonarchPage(scheduler, data=data)
+    page.update()
+    assert list(page.host_source.data["host"])[0] == "10.231.0.14" and len(page.host_source.data["host"]) == 8
+    assert page.ranks.height == page.hosts.height + (MAX_ROWS - 8) * 28  # 20 rows shown, then it scrolls
+    assert page.rates.legend.visible is False  # 64 lines

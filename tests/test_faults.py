@@ -230,3 +230,119 @@ def test_from_dask_waiting_on_a_killed_worker_raises_the_session_error(cli_clust
     except Exception:
         pass
     client.wait_for_workers(2, timeout=60)
+
+
+MIB = 2**20
+
+
+def _transferring(client, session_id: str, address: str) -> bool:
+    """Whether a thread of the session on the worker at ``address`` waits in a ``to_mesh`` transfer now (its
+    stack passes through ``send_tensor._transfer``)."""
+    tag = session_id[:8]
+
+    def probe():  # travels by value: the CLI workers cannot import this module
+        import sys
+        import threading
+
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if not names.get(ident, "").startswith(f"monarch-{tag}"):
+                continue
+            while frame is not None:
+                if frame.f_code.co_name == "_transfer" and frame.f_code.co_filename.endswith("send_tensor.py"):
+                    return True
+                frame = frame.f_back
+        return False
+
+    return client.run(probe, workers=[address])[address]
+
+
+def _session_threads(client, session_id: str, address: str) -> list:
+    tag = session_id[:8]
+    names = client.run(lambda: [t.name for t in threading.enumerate()], workers=[address])[address]
+    return [n for n in names if n.startswith("monarch-") and tag in n]
+
+
+@pytest.mark.parametrize("survivor_sends", [True, False, True, False], ids=["send", "recv", "send-again", "recv-again"])
+def test_a_to_mesh_under_way_when_its_peer_is_killed_is_abandoned_at_once(cli_cluster, client_of, survivor_sends):
+    """A ``to_mesh`` of 128 MiB caught mid-transfer when its peer's ``dask worker`` process is SIGKILLed (issue 26
+    item 3): the survivor's send (its peer stopped while receiving, then killed) or receive (its peer stopped while
+    sending, then killed) is one gloo does not fail when the pair closes, so it waited for ``comm_timeout``; it is
+    abandoned when the session ends: the survivor's session threads are gone within seconds of the error, not
+    comm_timeout's 240. Repeated, each rank in turn (the nanny restarts the victim)."""
+    client = client_of(cli_cluster)
+    client.wait_for_workers(2, timeout=60)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=240)
+    sid = mesh._session.id
+    slices = [mesh.slice(dp=slice(0, 1)), mesh.slice(dp=slice(1, 2))]
+    sender = 0 if survivor_sends else 1  # rank 0 survives in both cases
+    receiver = 1 - sender
+    with slices[sender].activate():
+        warm = torch.ones(4)
+    assert dm.inspect(warm.to_mesh(slices[receiver])).tolist() == [1.0] * 4  # the communicator exists
+    pids = {r: client.run(os.getpid, workers=[mesh.workers[r]])[mesh.workers[r]] for r in (0, 1)}
+    survivor, victim = mesh.workers[0], mesh.workers[1]
+    with slices[sender].activate():
+        big = dm.remote(lambda: (time.sleep(3), torch.ones(32 * MIB))[1], propagate=lambda: torch.empty(32 * MIB))()
+    future = dm.fetch_shard(big.to_mesh(slices[receiver])[:1])
+    assert wait_until(lambda: _transferring(client, sid, mesh.workers[receiver]), 30)  # its receive is posted
+    os.kill(pids[receiver], signal.SIGSTOP)  # the sender's write fills the socket's buffers and waits there
+    try:
+        assert wait_until(lambda: _transferring(client, sid, mesh.workers[sender]), 30)
+        time.sleep(0.5)
+        if survivor_sends:
+            os.kill(pids[1], signal.SIGKILL)  # the receiver, mid-receive
+        else:
+            os.kill(pids[1], signal.SIGSTOP)  # the sender, mid-send
+            os.kill(pids[0], signal.SIGCONT)  # the receiver reads what was sent, then waits for the rest
+            time.sleep(0.5)
+            os.kill(pids[1], signal.SIGKILL)
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}"):
+        future.result(timeout=120)
+    failed_at = time.monotonic()
+    assert wait_until(lambda: not _session_threads(client, sid, survivor), 30), _session_threads(client, sid, survivor)
+    assert time.monotonic() - failed_at < 10  # seconds (the probe's own time included), not comm_timeout's 240
+    mesh.exit()  # already reported: quiet
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
+    works(client)
+
+
+def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
+    """``worker/gloo.abort_work`` (what ``Comms`` calls for a session's pending transfers): a gloo receive and a
+    send that no peer answers return False from ``wait()`` right after it, instead of at the group's 60 s timeout;
+    any other object (a collective's work, a tensor, None) is left alone. Two ranks in this process, no cluster."""
+    import datetime
+
+    import torch.distributed as dist
+    from dask_monarch.worker.gloo import abort_work
+
+    store = dist.HashStore()
+    groups = [None, None]
+
+    def build(rank):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = datetime.timedelta(seconds=60)
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
+
+    builders = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join(60)
+    first, second = groups
+    receive = first.recv([torch.empty(4)], 1, 7)  # rank 1 never sends
+    send = first.send([torch.ones(4)], 1, 8)  # rank 1 never receives
+    for work in (receive, send):
+        waiter = threading.Timer(0.2, abort_work, (work,))
+        waiter.start()
+        start = time.monotonic()
+        assert work.wait() is False
+        assert time.monotonic() - start < 10
+        waiter.join()
+    collective = [first.allreduce([torch.ones(2)]), second.allreduce([torch.ones(2)])]
+    assert [abort_work(w) for w in collective] == [False, False]
+    assert [w.wait() for w in collective] == [True, True]
+    assert abort_work(torch.ones(1)) is False and abort_work(None) is False

@@ -16,8 +16,8 @@ TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def mesh(client2):
-    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+def mesh(shared_client2):
+    mesh = dm.attach(shared_client2, dims={"dp": 2}, comm_timeout=60)
     yield mesh
     mesh.exit()
 

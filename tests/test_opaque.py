@@ -72,6 +72,27 @@ def test_an_object_is_freed_when_the_controller_drops_its_handle(mesh):
         assert live_on_rank0() == before
 
 
+def key_table_size() -> int:
+    from dask_monarch import opaque_ref
+
+    return len(list(opaque_ref._key_table.keys()))
+
+
+def test_monarchs_key_table_holds_the_objects_of_the_calling_session(mesh):
+    """``opaque_ref._key_table`` (Monarch's name) in a remote function: this rank's objects of the session."""
+    with mesh.activate():
+        before = dm.call_on_shard_and_fetch(key_table_size).result(timeout=TIMEOUT)
+        tally = make_tally(1.0)
+        assert dm.call_on_shard_and_fetch(key_table_size).result(timeout=TIMEOUT) == before + 1
+        del tally
+        assert dm.call_on_shard_and_fetch(key_table_size).result(timeout=TIMEOUT) == before
+    from dask_monarch import opaque_ref
+
+    assert len(opaque_ref._key_table) == 0  # on the controller: no stream, no objects
+    with pytest.raises(AttributeError, match="no_such_name"):
+        opaque_ref.no_such_name
+
+
 def test_the_objects_of_a_session_are_freed_when_it_ends_while_the_controller_holds_them(client2):
     def keep_and_watch():
         import weakref

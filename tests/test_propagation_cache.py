@@ -114,3 +114,30 @@ def test_view_ops_learn_their_metadata_from_the_meta_kernel(mesh1):
     assert "view" in error
     for (name, fn), value in zip(views.items(), values):
         assert torch.equal(value, fn(local)), name
+
+
+def test_torch_compile_under_activate_runs_eagerly_on_the_mesh_without_dynamo_in_the_dispatch(mesh1):
+    """The dispatch functions are marked for Dynamo to skip (``dispatch.skip_dynamo``), not wrapped per call in
+    ``torch._disable_dynamo``: a ``torch.compile``d function called under ``activate()`` runs its ops on the mesh, and
+    Dynamo compiles no frame of dask_monarch (unmarked, it compiled ``__torch_dispatch__`` and what it calls)."""
+    import os
+
+    from torch._dynamo import convert_frame
+
+    from dask_monarch.controller.dispatch import MeshDispatchMode
+
+    handler = MeshDispatchMode.__dict__["__torch_dispatch__"]
+    assert not hasattr(handler, "_torchdynamo_orig_callable") and handler._torchdynamo_disable
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return torch.relu(x * 2 - 3) + 1
+
+    with mesh1.activate():
+        y = step(torch.arange(4.0))
+        assert isinstance(y, dm.Tensor)
+        value = dm.inspect(y)
+    assert torch.equal(value, torch.relu(torch.arange(4.0) * 2 - 3) + 1)
+    package = os.path.dirname(dm.__file__)
+    compiled = [code() for code in convert_frame.input_codes.seen]
+    assert not [c.co_filename for c in compiled if c is not None and c.co_filename.startswith(package)]

@@ -18,8 +18,8 @@ TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def mesh(client4):
-    mesh = dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=60)
+def mesh(shared_client4):
+    mesh = dm.attach(shared_client4, dims={"host": 2, "gpu": 2}, comm_timeout=60)
     yield mesh
     mesh.exit()
 

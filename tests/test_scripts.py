@@ -138,6 +138,77 @@ def test_embedded_mesh_has_client_and_dashboard_link_serving_the_page(tmp_path):
                           re.MULTILINE)) == 2
 
 
+def _alive(pids) -> list[int]:
+    """Those of ``pids`` still running (a zombie waiting for its parent's wait is not)."""
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+CHILDREN = """
+import os, psutil
+import dask_monarch as dm
+mesh = dm.attach(dims={"dp": 2})
+print("pids", os.getpid(), mesh.client.run_on_scheduler(os.getpid),
+      " ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
+"""
+
+
+def test_embedded_scheduler_runs_in_its_own_process_and_every_process_ends_with_the_script(tmp_path):
+    """Issue 23 item 4: the embedded default's scheduler is a child process of the controller (it shares no GIL
+    with the script's eager loop), and when the script ends every process the cluster started has ended too."""
+    proc = run_script(tmp_path, CHILDREN + """
+with mesh.activate():
+    import torch
+    print(dm.inspect(torch.ones(2).reduce("dp")))
+mesh.exit()
+""")
+    me, scheduler, *children = (int(p) for p in re.search(r"^pids (.*)$", proc.stdout, re.MULTILINE)[1].split())
+    assert scheduler != me and scheduler in children, proc.stdout
+    assert len(children) >= 5, proc.stdout  # the scheduler, 2 nannies and their 2 workers
+    assert "tensor([2., 2.])" in proc.stdout
+    assert_quiet(proc)
+    assert not _wait_gone(children, 10), f"still running after the script ended: {_alive(children)}"
+
+
+def test_embedded_cluster_ends_when_its_controller_is_killed(tmp_path):
+    """A controller killed with SIGKILL closes nothing; its scheduler notices that its parent is gone
+    (``dask_monarch.scheduler.parent_watch``, every second) and closes, and the workers end with it."""
+    import signal
+
+    path = tmp_path / "script.py"
+    path.write_text(CHILDREN + "import time\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("pids "), line + proc.stderr.read()
+        _, scheduler, *children = (int(p) for p in line.split()[1:])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert not _wait_gone(children, 30), f"still running 30 s after the controller was killed: {_alive(children)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 # ----------------------------------------------------------------------------------------- an existing cluster
 @pytest.fixture
 def cli_scheduler(tmp_path):

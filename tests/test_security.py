@@ -87,7 +87,7 @@ def test_no_warning_on_a_plain_tcp_cluster(client1, fresh_warning):
 
 def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
     """The answer sockets (``controller/sockets.py``) of a TLS cluster are TLS sockets, with the cluster's
-    certificates, and answer the fetches."""
+    certificates, and answer the fetches, a tensor whose memory travels out of band included."""
     import ssl
 
     address, security = tls
@@ -103,6 +103,9 @@ def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
                 t = torch.arange(3.0) + mesh.rank("dp")
             assert dm.inspect(t, dp=1).tolist() == [1.0, 2.0, 3.0]
             assert dm.fetch_shard(t, dp=0).result(timeout=60).tolist() == [0.0, 1.0, 2.0]
+            with mesh.activate():  # 8 MiB: out of band (protocol/tensor_bytes.py), in 64 MiB slices over TLS
+                big = torch.arange(2**21, dtype=torch.int32) * (mesh.rank("dp") + 1)
+            assert torch.equal(dm.inspect(big, dp=1), torch.arange(2**21, dtype=torch.int32) * 2)
             assert channels.socket_chunks[0] > 0 and channels.socket_chunks[1] > 0
             assert channels.comm_chunks == [0, 0]
 

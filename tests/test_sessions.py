@@ -351,3 +351,71 @@ def test_interpreter_hold_and_release_count_holders():
         interpreter.hold()
         assert sys.getswitchinterval() == before[0]
         interpreter.release()
+
+
+def _controller_gc_holders() -> int:
+    from dask_monarch import interpreter
+
+    return interpreter._holders["gc"]
+
+
+def test_the_controller_holds_the_gc_threshold_while_a_session_runs_and_restores_it_at_its_end(client1):
+    """Gen-0 of the controller's GC threshold is Dask config ``monarch.gc-threshold`` (20,000) while a session runs
+    (each op makes a few tracked objects: at Python's 700 a gen-0 collection ran every few dozen ops), and Python's
+    value again once it ends (``Session.stop``; ``interpreter.py``)."""
+    import gc
+
+    from dask_monarch import interpreter
+
+    if _controller_gc_holders():
+        pytest.skip("a session of another test still holds the settings in this process")
+    before = gc.get_threshold()
+    with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:
+        assert gc.get_threshold() == (interpreter.GC_THRESHOLD, *before[1:])
+        with mesh.activate():
+            assert dm.inspect(torch.ones(2) + 1).tolist() == [2.0, 2.0]
+    assert gc.get_threshold() == before and _controller_gc_holders() == 0
+
+
+def test_the_gc_threshold_is_restored_when_the_session_fails(client1):
+    """A session that fails (here: its worker's Dask config ``monarch.gc-threshold`` is not a number, so the session
+    fails there) gives the controller's GC threshold back at its end all the same."""
+    import gc
+
+    from dask_monarch import interpreter
+
+    def set_config(value, dask_worker):
+        dask.config.set({"monarch.gc-threshold": value})
+
+    if _controller_gc_holders():
+        pytest.skip("a session of another test still holds the settings in this process")
+    before = gc.get_threshold()
+    client1.run(set_config, "20k")
+    try:
+        mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+        assert gc.get_threshold()[0] == interpreter.GC_THRESHOLD
+        with pytest.raises(dm.SessionError, match=r"monarch\.gc-threshold"):
+            with mesh.activate():
+                dm.inspect(torch.ones(1))
+        mesh.exit()
+    finally:
+        client1.run(set_config, None)
+    assert gc.get_threshold() == before and _controller_gc_holders() == 0
+
+
+def test_a_bad_controller_gc_threshold_fails_attach_naming_it_and_changes_nothing(client1):
+    """The controller's Dask config ``monarch.gc-threshold`` not a number: ``attach`` raises ``ValueError`` naming the
+    key and the value, and the controller's GC threshold and switch interval stay Python's."""
+    import gc
+    import sys
+
+    if _controller_gc_holders():
+        pytest.skip("a session of another test still holds the settings in this process")
+    before = (gc.get_threshold(), sys.getswitchinterval())
+    with dask.config.set({"monarch.gc-threshold": "lots"}):
+        with pytest.raises(ValueError, match=r"monarch\.gc-threshold.*'lots'"):
+            dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    assert (gc.get_threshold(), sys.getswitchinterval()) == before and _controller_gc_holders() == 0
+    with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:  # the next session runs
+        with mesh.activate():
+            assert dm.inspect(torch.ones(1) + 1).tolist() == [2.0]

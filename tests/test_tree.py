@@ -38,6 +38,9 @@ def test_a_fetch_costs_the_controller_one_answer_per_host(client4):
         assert channels.host_chunks[0] - before[0] == n  # one answer per fetch for the host's four ranks
         assert channels.host_chunks[1:] == before[1:] == [0, 0, 0]
         assert channels.socket_chunks == [0] * 4 and channels.comm_chunks == [0] * 4
+        with mesh.activate():  # 4 MiB: its memory travels out of band, through the relay too
+            big = torch.arange(2.0**20) + mesh.rank(mesh.names)
+        assert torch.equal(dm.inspect(big, host=1, gpu=1), torch.arange(2.0**20) + 3)
 
 
 def test_a_failure_on_a_rank_that_is_not_the_leader_names_that_rank(client4):

@@ -5,14 +5,14 @@ Importing it imports every frontend module, each of which registers what ``Devic
 """
 
 from .attach import attach
-from .actors import ActorMesh, Endpoint, as_endpoint, endpoint
+from .actors import Actor, ActorMesh, Endpoint, as_endpoint, endpoint
 from . import dispatch  # noqa: F401 (torch ops on remote tensors: registers with mesh.Frontend)
 from .coalescing import coalescing
 from .compile import compile
 from .fetch import call_on_shard_and_fetch, fetch_shard, inspect, show
 from . import cached_propagation  # noqa: F401 (remote learns outputs on the mesh: registers with mesh.Frontend)
 from .gradients import grad_function, grad_generator, gradient_execution_order
-from .mesh import DeviceMesh, get_active_mesh, no_mesh
+from .mesh import DeviceMesh, get_active_mesh, no_mesh, spawn_tensor_engine
 from .process_group import RemoteProcessGroup
 from .reduce import reduce, reduce_
 from .remote import remote
@@ -24,6 +24,7 @@ from .tensor import Tensor
 from .to_mesh import MeshSliceTensor, slice_mesh, to_mesh
 
 __all__ = [
+    "Actor",
     "ActorMesh",
     "Endpoint",
     "as_endpoint",
@@ -50,6 +51,7 @@ __all__ = [
     "inspect",
     "main_stream",
     "no_mesh",
+    "spawn_tensor_engine",
     "reduce",
     "reduce_",
     "remote",

@@ -203,6 +203,13 @@ def _wait_constructed(session, cls, futures: dict) -> None:
         pause = min(0.05, 2 * pause)
 
 
+class Actor:
+    """The base class of actor classes (Monarch's ``monarch.actor.Actor``), so that Monarch's actors run
+    unchanged; here optional: ``mesh.spawn`` takes any class, and each rank's object is a Dask actor on its
+    worker. Its methods marked ``@endpoint`` (or not) are called through the ``ActorMesh`` that ``spawn``
+    returns."""
+
+
 class ActorMesh:
     """The actors of one ``mesh.spawn``: ``actors.method`` is an ``Endpoint`` for every public method of the class;
     ``actors.actors`` are the Dask ``Actor`` proxies (rank order), ``actors.mesh`` the mesh, ``stop()`` frees

@@ -103,6 +103,7 @@ class Answers:
                     self._session._on_chunk(rank, blob)
                 except Exception:  # a bug here must not end the thread: later answers still count
                     logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
+                blob = None  # a fetched tensor is the program's now: not kept here until the next chunk
             if done.has_ready():
                 for future in done.next_batch(block=False):
                     if self._stopped.is_set():

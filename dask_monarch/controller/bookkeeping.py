@@ -68,6 +68,20 @@ class Bookkeeping:
             self._next_seq += 1
             return seq
 
+    def new_call(self, defs: list, uses: list, what: str) -> int:
+        """``new_seq()`` then ``record(seq, defs, uses, what)`` in one call (the per-op path: an eager op's
+        ``CallFunction``); returns the seq. Call under the session's lock."""
+        recorder = self.recorder
+        if recorder is not None and recorder.owns_thread():
+            seq = recorder.next_index()
+            recorder.add(seq, defs, uses, what)
+            return seq
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self.functions[seq] = what
+        self.history.new_node(seq, [t.ref.id for t in defs], [t.ref.id for t in uses])
+        return seq
+
     def new_ref(self) -> Ref:
         """A new ref (``itertools.count``: atomic without the lock, which an op whose shapes are cached takes
         once, not once per output; built without ``Ref``'s check of its id, which the count makes valid)."""

@@ -222,6 +222,7 @@ class Channels:
                 answers.put_chunk(rank, msg["d"])
                 acks = self._acks[rank]
                 acks.append(msg["c"])
+                msg = None  # a fetched tensor is the program's now: not kept here until the next answer
                 if len(acks) == 1:
                     loop.call_later(self.ACK_DELAY, self._ack, rank, comm)
         except Exception as e:

@@ -265,7 +265,7 @@ class Compiled:
         return recorder, out_leaves, out_spec, outputs
 
     def _record(self, leaves, spec, tensors) -> _Entry:
-        recorder, out_leaves, out_spec, outputs = self._run_recording(leaves, spec, tensors)
+        recorder, out_leaves, out_spec, outputs = _record_and_define(self, leaves, spec, tensors)
         positions = [i for i, x in enumerate(out_leaves) if isinstance(x, Tensor)]
         values = [None if isinstance(x, Tensor) else x for x in out_leaves]
         recording = None
@@ -279,7 +279,7 @@ class Compiled:
         """Record again and compare with the first recording (Monarch's ``verify``): ``RuntimeError`` naming the
         first operation that differs, e.g. when the function reads a global that changed, and the non-tensor
         results. Until a comparison succeeds, every reuse compares again."""
-        recorder, out_leaves, out_spec, _ = self._run_recording(leaves, spec, tensors)
+        recorder, out_leaves, out_spec, _ = _record_and_define(self, leaves, spec, tensors)
         first = entry.reference
         second = normalized(recorder)
         for k, (a, b) in enumerate(zip(first, second)):
@@ -311,6 +311,13 @@ class Compiled:
     def __repr__(self) -> str:
         backend = f", backend={self.backend!r}" if self.backend else ""
         return f"compile({self.fn!r}, verify={self.verify}{backend})"
+
+
+def _record_and_define(compiled: Compiled, leaves, spec, tensors):
+    """Run ``compiled``'s function once, recording its messages: ``(recorder, output leaves, output spec, output
+    tensors)``. Every recording goes through here (Monarch's ``_coalescing._record_and_define``): the first call
+    for a new signature, and ``verify``'s second recording; a call that replays does not."""
+    return compiled._run_recording(leaves, spec, tensors)
 
 
 def compile(fn=None, *, verify: bool = True, cuda_graph: bool = False, warmup: int = 0, backend: str | None = None):

@@ -21,9 +21,9 @@ from .local import is_propagating, propagating
 from .mesh import frontend, get_active_mesh
 from .remote import call_on_mesh
 from .stream import check_access
-from .tensor import Tensor, note_type_error
+from .tensor import OPERATORS, Tensor, note_type_error
 
-__all__ = ["MeshDispatchMode", "assign_data", "run_op"]
+__all__ = ["MeshDispatchMode", "assign_data", "run_op", "skip_dynamo"]
 
 _aten = torch.ops.aten
 #: operations that stay local on local tensors even under an active mesh (spec §1)
@@ -68,10 +68,32 @@ def run_op(func, args, kwargs, mesh=None, entry=None):
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
 
 
+try:  # Dynamo's per-code frame strategy (C): a code marked (SKIP, SKIP) runs, with all it calls, outside Dynamo
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+except ImportError:  # pragma: no cover - a torch without it: MeshDispatchMode keeps torch's own wrapper
+    set_code_exec_strategy = None
+
+
+def skip_dynamo(fn):
+    """Mark ``fn`` (a function) so that Dynamo neither compiles its frames nor any frame it calls, and does not
+    inline it when tracing (``torch._dynamo.disable``'s effect, without its wrapper: that wrapper turns Dynamo's
+    frame callback off and on again around every call, about 1 us a call on the per-op path, even when nothing
+    compiles). Returns ``fn``; without torch's ``set_code_exec_strategy`` it does nothing."""
+    if set_code_exec_strategy is not None:
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        fn._torchdynamo_disable = True  # Dynamo's tracer: a call of it is a graph break, not inlined
+    return fn
+
+
 class MeshDispatchMode(TorchDispatchMode):
     """Entered by ``mesh.activate()``: torch operations on local tensors and factories run on the active mesh.
-    (torch runs ``__torch_dispatch__`` with Dynamo disabled, ``torch._disable_dynamo``: a ``torch.compile``d function
-    called under ``activate()`` runs its ops here eagerly.)"""
+    Dynamo skips ``__torch_dispatch__`` and everything it calls (``skip_dynamo``; torch's default is a
+    ``torch._disable_dynamo`` wrapper around it): a ``torch.compile``d function called under ``activate()`` runs its
+    ops here eagerly."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # torch: wrap __torch_dispatch__ in torch._disable_dynamo
+        return set_code_exec_strategy is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,6 +105,11 @@ class MeshDispatchMode(TorchDispatchMode):
             if func.namespace in _LOCAL_NAMESPACES or not _has_remote(args):
                 return func(*args, **kwargs)
         return run_op(func, args, kwargs, mesh, entry)
+
+
+# the mode's handler, and a remote tensor's op (its Python operator, its handler) called from a frame Dynamo runs
+for _fn in (MeshDispatchMode.__torch_dispatch__, Tensor.__torch_dispatch__.__func__, run_op, *OPERATORS):
+    skip_dynamo(_fn)
 
 
 def _has_remote(args) -> bool:

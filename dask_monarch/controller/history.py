@@ -37,7 +37,8 @@ class History:
             producer = self._producer.get(ref)
             if producer is not None and producer >= self.completed:
                 self._users.setdefault(producer, []).append(seq)
-        defs = list(defs)
+        if type(defs) is not list:
+            defs = list(defs)
         self._defs[seq] = defs
         if inherited is not None:
             self.failed[seq] = inherited

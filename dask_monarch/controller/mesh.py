@@ -18,7 +18,7 @@ import torch
 from ..protocol import CreateDeviceMesh, Ref, Slice
 from .table import Table, grid
 
-__all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh", "select"]
+__all__ = ["DeviceMesh", "Frontend", "frontend", "get_active_mesh", "no_mesh", "select", "spawn_tensor_engine"]
 
 
 class Frontend:
@@ -52,6 +52,16 @@ class Frontend:
 frontend = Frontend()
 
 _active: contextvars.ContextVar = contextvars.ContextVar("dask_monarch_active_mesh", default=None)
+
+
+def spawn_tensor_engine(mesh: "DeviceMesh") -> "DeviceMesh":
+    """Monarch's ``monarch.mesh_controller.spawn_tensor_engine(proc_mesh)``: the tensor engine of a process mesh.
+    A dask_monarch mesh (``dm.attach``) already is one, so this returns ``mesh`` itself; ``TypeError`` for
+    anything but a ``DeviceMesh``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"spawn_tensor_engine: expected a dask_monarch DeviceMesh (made by dm.attach), got "
+                        f"{type(mesh).__name__}")
+    return mesh
 
 
 def get_active_mesh() -> "DeviceMesh | None":
@@ -286,6 +296,10 @@ class DeviceMesh:
         names = (dims,) if isinstance(dims, str) else tuple(dims)
         self.size(names)
         return frontend.remote("dask_monarch.worker.device_mesh.rank_tensor", propagate=_rank_fake)(self, names)
+
+    def rank_tensor(self, dims):
+        """``mesh.rank(dims)`` under Monarch's ``ProcMesh`` name."""
+        return self.rank(dims)
 
     def spawn(self, cls, *args, **kwargs):
         """One actor ``cls(*args, **kwargs)`` per rank of this mesh, a Dask actor on that rank's worker (Monarch's

@@ -200,16 +200,17 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
             if x.mesh is not mesh:
                 mesh = None  # _mesh_of checks them, and says what is wrong
                 break
+            if x._dropped_at is not None:
+                x.check_usable()  # TypeError DROPPED
         if mesh is not None:
-            for x in inputs:
-                if x._dropped_at is not None:
-                    x.check_usable()  # TypeError DROPPED
             propagator = mesh._session.propagator
             plan = propagator.plan(key)
             if plan is None and op is not None:  # the same op on inputs at other offsets (x[rows] each step)
                 plan = propagator.plan_at_other_offsets(key)
             if plan is not None:
-                groups = _groups_in(args, kwargs) if plan.groups else ()
+                if not plan.groups:
+                    return _issue(plan, function, name, args, kwargs, inputs, mesh, (), check)
+                groups = _groups_in(args, kwargs)
                 if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
                     return _issue(plan, function, name, args, kwargs, inputs, mesh, groups, check)
     return _call(function, name, shapes, args, kwargs, mesh, op, key, learn, check)
@@ -257,13 +258,12 @@ def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: l
                     declared.append(None)
         for group in groups:  # its communicator on this stream is built on its ranks before the call
             group.ensure_split(stream_ref)
-        seq = session.new_seq()
+        seq = session.new_call(new + mutates if mutates else new, inputs, name)
         message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
             seq, results, tuple([t.ref for t in mutates]) if mutates else (), function,
             ArgsKwargs(tuple(args), dict(kwargs)), stream_ref, tuple([g.ref for g in groups]) if groups else (),
             tuple(declared) if check else None,
         )
-        session.record(seq, defs=new + mutates if mutates else new, uses=inputs, what=name)
         session.send(message, mesh._rank_list)
     return values[0] if plan.spec is None else tree_unflatten(values, plan.spec)
 

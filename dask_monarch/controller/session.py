@@ -197,20 +197,28 @@ class Session(Transport, Bookkeeping, Liveness):
         self._flusher = threading.Thread(target=self._flush_loop, name=f"monarch-{self.tag}-flush", daemon=True)
         self._released = False  # the interpreter settings given back (``stop``)
         self._release_lock = threading.Lock()
-        interpreter.hold()  # a shorter GIL switch interval while the session runs (interpreter.py)
-        self._answers = Answers(self, self._key)  # never Dask's shared callback thread (answers.py)
-        self.debugger = Debugger(self)  # breakpoint() in a remote function: pdb on the rank, driven from waits
-        #: callables run once when the session stops (layers above the session release what they keep for it)
-        self.on_stop: list = []
-        if answer_channel:
-            self.channels = Channels(self, answer_channel, tree=bool(dask.config.get("monarch.answer-tree", True)))
-            self.channels.open(self.CHANNEL_TIMEOUT)
-            if self.channels.reasons:
-                logger.warning("dask_monarch: session %s: no answer channel to %s; their answers come back as Dask "
-                               "task results (about 10 ms a fetch)", self._key,
-                               "; ".join(f"rank {r} ({self.workers[r]}): {why}"
-                                         for r, why in sorted(self.channels.reasons.items())))
-        self._flusher.start()
+        # a shorter GIL switch interval, and gen-0 of the GC threshold at Dask config monarch.gc-threshold (each op
+        # makes a few tracked objects: at Python's 700 a gen-0 collection ran every few dozen ops), while the session
+        # runs (interpreter.py); given back by stop, or here if the session fails to start
+        interpreter.hold(gc_threshold=True)
+        try:
+            self._answers = Answers(self, self._key)  # never Dask's shared callback thread (answers.py)
+            self.debugger = Debugger(self)  # breakpoint() in a remote function: pdb on the rank, driven from waits
+            #: callables run once when the session stops (layers above the session release what they keep for it)
+            self.on_stop: list = []
+            if answer_channel:
+                tree = bool(dask.config.get("monarch.answer-tree", True))
+                self.channels = Channels(self, answer_channel, tree=tree)
+                self.channels.open(self.CHANNEL_TIMEOUT)
+                if self.channels.reasons:
+                    logger.warning("dask_monarch: session %s: no answer channel to %s; their answers come back as "
+                                   "Dask task results (about 10 ms a fetch)", self._key,
+                                   "; ".join(f"rank {r} ({self.workers[r]}): {why}"
+                                             for r, why in sorted(self.channels.reasons.items())))
+            self._flusher.start()
+        except BaseException:
+            self._release_interpreter()
+            raise
         self.send(CreateStream(DEFAULT_STREAM, StreamCreationMode.UseDefaultStream))
 
     #: seconds to open the answer channels (a worker the controller cannot reach costs attach this long)
@@ -337,10 +345,14 @@ class Session(Transport, Bookkeeping, Liveness):
                 fut.release()
             except Exception:  # the client is closing: the scheduler forgets its futures anyway
                 pass
+        self._release_interpreter()
+
+    def _release_interpreter(self) -> None:
+        """Give back the interpreter settings this session holds (``interpreter.hold``), once."""
         with self._release_lock:
             if not self._released:
                 self._released = True
-                interpreter.release()
+                interpreter.release(gc_threshold=True)
 
     def _exit_notice(self, seq: int, deadline: float) -> None:
         """Say once which ranks ``mesh.exit()`` waits for and what they are busy on (``describe_busy``)."""

@@ -11,7 +11,9 @@ first. Then:
 * the thread that flushes (the program's, or the flusher) writes each batch with ``sendall`` itself (``send``),
   with the acknowledgements of the answer chunks received since, bounded by ``SEND_TIMEOUT`` seconds plus one per
   ``frames.MIN_RATE`` bytes, so that a stopped worker (SIGSTOP) never blocks the controller for long;
-* the ``monarch-<session>-socket-r<rank>`` thread reads the answer chunks and applies them at once
+* the ``monarch-<session>-socket-r<rank>`` thread reads the answer chunks (a fetched tensor's bytes straight into
+  the buffer that becomes the tensor: ``protocol/frames.py``; a frame that declares more than this machine's memory
+  ends the link before anything is allocated) and applies them at once
   (``Session._on_chunk``, in the rank's chunk order with those that come in task results), and acknowledges those
   that no batch carried within ``ACK_DELAY`` seconds.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..protocol.frames import connect_pair, recv_frame, send_frame, shutdown
+from ..protocol.frames import connect_pair, receivable, recv_frame, send_frame, shutdown
 
 __all__ = ["SocketLink"]
 
@@ -47,6 +49,7 @@ class SocketLink:
         self.rank = rank
         self.down, self.up = connect_pair(offer, ssl_context, timeout)
         self.lost: BaseException | None = None
+        self.limit = receivable()  # the most bytes one answer frame may declare
         self._lock = threading.Lock()  # writes on the down socket, and the pending acknowledgements
         self._acks: list = []
         self._lost_lock = threading.Lock()
@@ -82,7 +85,7 @@ class SocketLink:
         rank, up, channels = self.rank, self.up, self.channels
         try:
             while True:
-                msg = recv_frame(up, self._idle)
+                msg = recv_frame(up, self.limit, self._idle)
                 if "x" in msg:
                     channels.ended.add(rank)
                     continue
@@ -92,6 +95,7 @@ class SocketLink:
                     logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
                 with self._lock:
                     self._acks.append(msg["c"])
+                msg = None  # a fetched tensor is the program's now: not kept here until the next answer
                 up.settimeout(self.ACK_DELAY)
         except Exception as e:
             self._lose(e)

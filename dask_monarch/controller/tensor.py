@@ -23,6 +23,10 @@ from .storage import Storage, storage_of
 __all__ = ["Tensor"]
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
 def _make(cls, size, stride, offset, dtype, device, requires_grad, layout):
     return torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, storage_offset=offset, device=device,
                                                dtype=dtype, layout=layout, requires_grad=requires_grad)
@@ -60,7 +64,8 @@ class Tensor(torch.Tensor):
         """The remote tensor ``ref`` viewing ``storage`` with ``meta`` = ``(size, stride, storage offset, dtype,
         device)``, without a fake tensor yet (the fast path of a call whose shapes are cached)."""
         size, stride, offset, dtype, device = meta
-        t = _make(cls, size, stride, offset, dtype, device, requires_grad, torch.strided)
+        t = _make_wrapper(cls, size, strides=stride, storage_offset=offset, device=device, dtype=dtype,
+                          layout=_STRIDED, requires_grad=requires_grad)  # _make, inline: the per-op path
         t.ref = ref
         t._storage = storage
         t._meta = meta
@@ -215,7 +220,12 @@ def _operator(base):
         return result
 
     operator.__name__ = operator.__qualname__ = base.__name__
+    OPERATORS.append(operator)
     return operator
+
+
+#: the Python operators defined below (``dispatch.py`` marks them, as the dispatch itself, for Dynamo to skip)
+OPERATORS: list = []
 
 
 for _name in (

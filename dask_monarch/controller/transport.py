@@ -50,6 +50,7 @@ from .task_keys import parse_task_key, task_key
 __all__ = ["Transport", "dumps"]
 
 logger = logging.getLogger("dask_monarch.controller")
+_new_object = object.__new__
 
 
 def dumps(messages: list) -> bytes:
@@ -146,9 +147,12 @@ class Transport:
         if not taken:
             return []
         by_targets: dict[tuple, list] = {}
+        drop = self.history.drop_ref
         for targets, ref_id in taken:
-            by_targets.setdefault(targets, []).append(Ref(ref_id))
-            self.history.drop_ref(ref_id)
+            ref = _new_object(Ref)  # without Ref's check of its id: the session's count made it
+            ref.id = ref_id
+            by_targets.setdefault(targets, []).append(ref)
+            drop(ref_id)
         return [(targets, DeleteRefs(refs)) for targets, refs in by_targets.items()]
 
     def _flush_locked(self, sync_seq: int | None, exit_after: bool = False, kind: str = "status",
@@ -381,7 +385,7 @@ class Transport:
         user of the failed seq; nor a separately pickled fetched value, whose class may import a module), when the
         session lock is free now (a thread holding it may be waiting for this event loop). Returns None if applied,
         else what the answers thread is to apply (the unpickled ``(chunk, messages)``, or ``blob`` itself)."""
-        if len(blob) > self.INLINE_CHUNK:
+        if type(blob) is not bytes or len(blob) > self.INLINE_CHUNK:  # a tuple: one with out-of-band tensors
             return blob
         try:
             decoded = pickle.loads(blob)

@@ -106,7 +106,7 @@ class HostLink(SocketLink):
         self.answers = 0
         super().__init__(channels, ranks[0], offer, ssl_context, timeout)
 
-    def _apply(self, blob: bytes) -> None:
+    def _apply(self, blob) -> None:
         """Apply the entries of one answer chunk of the relay, in order, on this link's reader: a rank's own chunk
         (``"c"``, as ``Session._on_chunk`` does without its chunk order: the relay keeps each rank's order), every
         rank of the host past a seq (``"s"``), a rank's end (``"x"``) or its lost sockets (``"l"``)."""
@@ -115,14 +115,14 @@ class HostLink(SocketLink):
         channels.host_chunks[self.rank] += 1
         session = channels.session
         decoded = []
-        for entry in pickle.loads(blob):
+        for entry in blob if type(blob) is list else pickle.loads(blob):  # a list: it had out-of-band tensors
             kind = entry[0]
             if kind == "s":
                 decoded.append((None, entry[1], None))
             elif kind == "c":
                 rank = entry[1]
                 try:
-                    _, messages = pickle.loads(entry[2])
+                    _, messages = entry[2] if type(entry[2]) is tuple else pickle.loads(entry[2])
                 except Exception as e:
                     session._fail(SessionError(f"session {session.id}: could not read rank {rank}'s answers: {e}"))
                     return

@@ -14,6 +14,7 @@ import math
 from ..controller.task_keys import session_tag
 from .health import HEALTH_COLUMNS, RankProgress, session_health
 from .history import LINE_COLUMNS, PALETTE, SERIES_POINTS, Series, WindowRate
+from .hosts import HOST_COLUMNS, behind, host_rows, order
 from .progress import Progress
 
 __all__ = ["DashboardData", "NO_SESSION", "format_age", "format_bytes", "memory_text", "memory_title", "mesh_coords",
@@ -26,7 +27,7 @@ NO_SESSION = (
 SESSION_COLUMNS = ("session", "id", "controller", "mesh", "shape", "ranks", "age", "state")
 RANK_COLUMNS = (
     "session", "rank", "coords", "worker", "device", "received", "applied", "queued", "inbox", "streams", "refs",
-    "bytes", "bytes_text", "rate", "last_error", "state",
+    "bytes", "bytes_text", "rate", "last_error", "state", "behind",
 )
 RATE_COLUMNS = LINE_COLUMNS
 NOW_COLUMNS = ("session", "rank", "stream", "state", "message", "for_s", "for_text", "flagged")
@@ -135,7 +136,9 @@ class DashboardData:
         scheduler time (seconds).
 
         Returns ``{"running": bool, "shown": bool, "summary": str, "health": [dict], "sessions": columns,
-        "ranks": columns, "now": columns, "stacks": [dict], "errors": columns, "rates" / "queued" / "held" /
+        "ranks": columns (each session's stuck ranks first, then failed, then most behind: ``hosts.order``),
+        "hosts": columns (``hosts.HOST_COLUMNS``: one row per host of each session), "now": columns (stuck
+        first), "stacks": [dict], "errors": columns, "rates" / "queued" / "held" /
         "calls" / "reports": columns, "progress": [dict]}``; columns are dicts of equal-length lists
         (``SESSION_COLUMNS``, ``RANK_COLUMNS``, ``NOW_COLUMNS``, ``ERROR_COLUMNS``, ``RATE_COLUMNS``), health rows
         have ``HEALTH_COLUMNS``, stacks ``STACK_KEYS``, progress rows ``progress.PROGRESS_KEYS``."""
@@ -143,6 +146,7 @@ class DashboardData:
         rank_rows = {c: [] for c in RANK_COLUMNS}
         now_rows = {c: [] for c in NOW_COLUMNS}
         stacks, health = [], []
+        hosts = {c: [] for c in HOST_COLUMNS}
         live = set()
         failed_sessions = running = ended = 0
         for session_id, info in sorted(sessions.items(), key=lambda kv: kv[1].get("started", 0)):
@@ -152,6 +156,7 @@ class DashboardData:
             stream_names = {"0": "main", **{str(k): v for k, v in (info.get("streams") or {}).items()}}
             failed_ranks, rank_health, progress = [], [], {}
             finishing = False
+            start = len(rank_rows["rank"])
             for rank, address in enumerate(workers):
                 worker = metrics.get(address) or {}
                 snap = (worker.get("sessions") or {}).get(session_id)
@@ -220,6 +225,12 @@ class DashboardData:
                     "idle": snap is None or (not snap["queued"] and not snap["inbox_batches"] and not any(
                         e["busy"] for e in snap.get("now") or ())),
                 })
+            lag = behind(rank_health)
+            rank_rows["behind"].extend(lag)
+            _permute(rank_rows, start, order(rank_health, rank_rows["state"][start:], lag))
+            for column, values in host_rows(rank_rows, start, len(rank_rows["rank"]), lag, rank_health,
+                                            memory_text).items():
+                hosts[column].extend(values)
             self.progress.update(session_id, tag, info, {r: (metrics.get(a) or {}) for r, a in enumerate(workers)}, now)
             if info.get("ended"):
                 ended += 1
@@ -265,7 +276,8 @@ class DashboardData:
             "health": health,
             "sessions": session_rows,
             "ranks": rank_rows,
-            "now": now_rows,
+            "hosts": hosts,
+            "now": _stuck_first(now_rows),
             "stacks": stacks,
             "errors": self._error_rows(sessions),
             **self.progress.view(sessions),
@@ -358,6 +370,27 @@ class DashboardData:
             lines["color"].append(PALETTE[i % len(PALETTE)])
             lines["session"].append(tag)
         return lines
+
+
+def _permute(columns: dict, start: int, positions: list[int]) -> None:
+    """Reorder the rows from ``start`` on of ``columns`` (a dict of equal-length lists): row ``start + k`` becomes
+    the row that was at ``start + positions[k]``."""
+    for column in columns.values():
+        tail = column[start:]
+        column[start:] = [tail[i] for i in positions]
+
+
+def _stuck_first(rows: dict) -> dict:
+    """The page's "where each rank is now" rows, per session (in their order): stuck threads first, then the busy
+    ones by how long they have been busy, then the rest, by rank."""
+    sessions = {}
+    for tag in rows["session"]:
+        sessions.setdefault(tag, len(sessions))
+    positions = sorted(range(len(rows["session"])), key=lambda i: (
+        sessions[rows["session"][i]], not rows["flagged"][i], rows["state"][i] != "busy", -rows["for_s"][i],
+        rows["rank"][i]))
+    _permute(rows, 0, positions)
+    return rows
 
 
 def select(view: dict, tag: str | None) -> dict:

@@ -10,7 +10,10 @@ a component"; issue 18). From the top:
   threads, as the workers sampled them;
 * history since each session's start: messages per second (over ``history.RATE_WINDOW`` seconds), queued
   messages and memory held (CUDA memory on a GPU worker, the refs' tensor bytes on a CPU one), one line per rank;
-* the sessions and ranks tables, and the sessions' remote errors (time, session, rank, seq, first line).
+* the hosts table (a row per host of each session: its ranks, how many are stuck or failed, the most seqs one is
+  behind: ``hosts.py``), the sessions and ranks tables (stuck ranks first, then failed, then most behind), and
+  the sessions' remote errors (time, session, rank, seq, first line). A table shows ``MAX_ROWS`` rows and
+  scrolls; a plot of more than ``MAX_LEGEND`` lines shows no legend.
 
 The page only reads: it has no buttons and serves no control endpoint (the dashboard has no authentication).
 """
@@ -30,6 +33,7 @@ from bokeh.plotting import figure
 from .data import (ERROR_COLUMNS, NO_SESSION, NOW_COLUMNS, RANK_COLUMNS, RATE_COLUMNS, SESSION_COLUMNS,
                    DashboardData, memory_title, select)
 from .history import RATE_WINDOW
+from .hosts import HOST_COLUMNS
 from .install import read_scheduler
 
 __all__ = ["MonarchPage", "monarch_doc", "UPDATE_MS", "DASK_LINKS"]
@@ -40,6 +44,11 @@ _ROW = 28
 # room for the horizontal scrollbar a narrow window shows: columns keep their widths (autosize_mode="none"), so
 # that no header is cut ("inbox batc"), and scroll instead
 _SCROLLBAR = 18
+#: rows a table shows before it scrolls (the rows that need a look come first: ``hosts.order``)
+MAX_ROWS = 20
+#: lines a plot names in its legend; past that (many ranks) the legend would cover the plot, and a line's name shows
+#: in the ranks table instead
+MAX_LEGEND = 16
 #: Dask's own pages linked from each session's health line (relative to the page, so a dashboard prefix works)
 DASK_LINKS = (("Task Stream", "individual-task-stream"), ("Workers", "workers"), ("Profile", "profile"))
 _COLORS = {"running": "#2ca02c", "finishing": "#ff7f0e", "failed": "#d62728", "ended": "#7f7f7f"}
@@ -131,6 +140,7 @@ class MonarchPage:
         self.health = Div(text="", name="monarch-health", sizing_mode="stretch_width")
         self.session_source = ColumnDataSource({c: [] for c in SESSION_COLUMNS}, name="monarch-sessions-source")
         self.rank_source = ColumnDataSource({c: [] for c in RANK_COLUMNS}, name="monarch-ranks-source")
+        self.host_source = ColumnDataSource({c: [] for c in HOST_COLUMNS}, name="monarch-hosts-source")
         self.now_source = ColumnDataSource({c: [] for c in NOW_COLUMNS}, name="monarch-now-source")
         self.error_source = ColumnDataSource({c: [] for c in ERROR_COLUMNS}, name="monarch-errors-source")
         self.line_sources = {key: ColumnDataSource({c: [] for c in RATE_COLUMNS}, name=f"monarch-{key}-source")
@@ -161,8 +171,24 @@ class MonarchPage:
             TableColumn(field="refs", title="live refs", formatter=count, width=72),
             TableColumn(field="bytes_text", title="memory held", width=110),
             TableColumn(field="rate", title="msgs/s", formatter=NumberFormatter(format="0,0.0"), width=70),
+            TableColumn(field="behind", title="behind (seqs)", formatter=count, width=100),
             TableColumn(field="state", title="state", width=70),
             TableColumn(field="last_error", title="last error", width=300),
+        ])
+        self.hosts = _table(self.host_source, "monarch-hosts", [
+            TableColumn(field="session", title="session", width=80),
+            TableColumn(field="host", title="host", width=150),
+            TableColumn(field="ranks", title="ranks", width=50),
+            TableColumn(field="running", title="running", width=60),
+            TableColumn(field="stuck", title="stuck", width=50),
+            TableColumn(field="failed", title="failed", width=50),
+            TableColumn(field="rate", title="msgs/s", formatter=NumberFormatter(format="0,0.0"), width=80),
+            TableColumn(field="queued", title="queued", formatter=count, width=70),
+            TableColumn(field="bytes_text", title="memory held", width=110),
+            TableColumn(field="behind", title="most behind (seqs)", formatter=count, width=130),
+            TableColumn(field="slowest", title="slowest rank", width=90),
+            TableColumn(field="errors", title="remote errors", width=100),
+            TableColumn(field="state", title="state", width=70),
         ])
         self.now = _table(self.now_source, "monarch-now", [
             TableColumn(field="session", title="session", width=80),
@@ -194,6 +220,7 @@ class MonarchPage:
         self.reports = column(name="monarch-reports", sizing_mode="stretch_width")
         self.report_plots: dict = {}  # name (or OTHER_REPORTS) -> (figure, its source)
         self.tables = column(
+            Div(text="<b>Hosts</b> (the host with a stuck, failed or lagging rank first)"), self.hosts,
             Div(text="<b>Progress</b>"), self.progress, self.calls, self.reports,
             Div(text="<b>Where each rank is now</b>"), self.now,
             Div(text="<b>Stacks of stuck ranks</b> (sampled on the worker while a rank is stuck)"), self.stacks,
@@ -226,16 +253,23 @@ class MonarchPage:
             self.tables.visible = view["shown"]
         for source, table, columns in ((self.session_source, self.sessions, view["sessions"]),
                                        (self.rank_source, self.ranks, view["ranks"]),
+                                       (self.host_source, self.hosts, view["hosts"]),
                                        (self.now_source, self.now, view["now"]),
                                        (self.error_source, self.errors, view["errors"])):
             if dict(source.data) != columns:
                 source.data = columns
-            height = _ROW * (1 + max(1, len(next(iter(columns.values()), [])))) + _SCROLLBAR
+            rows = min(MAX_ROWS, max(1, len(next(iter(columns.values()), []))))
+            height = _ROW * (1 + rows) + _SCROLLBAR
             if table.height != height:
                 table.height = height
         for key, source in self.line_sources.items():
             if dict(source.data) != view[key]:
                 source.data = view[key]
+        for plot, key in ((self.rates, "rates"), (self.queued, "queued"), (self.held, "held"),
+                          (self.calls, "calls")):
+            legend = len(view[key]["xs"]) <= MAX_LEGEND
+            if plot.legend.visible != legend:
+                plot.legend.visible = legend
         self._show_reports(view["reports"])
         title = memory_title(view["ranks"]["device"])  # what the memory line measures on the ranks shown
         if self.held.title.text != title:

@@ -9,6 +9,7 @@ from .types import ArgsKwargs, Factory, PickledValue, ProtocolError, Reduction, 
 from .wire_value import WireValue
 from . import tensor_bytes  # noqa: F401  (importing it fills torch's layout cache: see its docstring)
 from . import torch_values  # noqa: F401  (importing it makes torch's values pickle by name: see its docstring)
+from . import wire_forms  # noqa: F401  (importing it makes CallFunction and DeleteRefs pickle flattened)
 
 __all__ = [
     "ArgsKwargs",

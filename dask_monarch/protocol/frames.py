@@ -1,9 +1,17 @@
-"""Frames on a blocking socket: the wire format of a session's answer sockets (issue 13 item 1;
-``controller/sockets.py``, ``worker/sockets.py``).
+"""Frames on a blocking socket: the wire format of a session's answer sockets (issue 13 item 1; issue 26 items 4
+and 6; ``controller/sockets.py``, ``worker/sockets.py``).
 
-A frame is an 8-byte little-endian length and that many bytes of a pickled dict (pickle protocol 5). The keys are
-those of the comm channel's messages (``worker/channel.py``): ``{"b": batch, "s": segments, "a": [chunk, ...]}``
-controller -> worker, ``{"c": chunk, "d": bytes}`` and ``{"x": True}`` worker -> controller.
+A frame is a 12-byte little-endian header (``<QI``: the length of a pickled dict, pickle protocol 5, and the number
+of its out-of-band buffers), one 8-byte length per buffer, the pickle, then the buffers' bytes. The keys are those
+of the comm channel's messages (``worker/channel.py``): ``{"b": batch, "s": segments, "a": [chunk, ...]}``
+controller -> worker, ``{"c": chunk, "d": answer chunk}`` and ``{"x": True}`` worker -> controller. An answer chunk
+that holds a large tensor (``protocol/tensor_bytes.py``) gives its memory as a ``pickle.PickleBuffer``: it is
+written from the tensor itself, ``CHUNK`` bytes per ``sendall``, and read into one buffer of its size that becomes
+the received tensor's memory (no copy at either end; ``bench/fetch_memory.py``).
+
+A frame's declared size is checked against ``limit``, what the receiving session can hold (``receivable``), before
+anything is allocated, and memory is taken as the bytes arrive (at most ``CHUNK`` ahead of them): a header that
+claims more, or a peer that stops mid-frame, costs nothing.
 
 Before any frame, the connecting side (the controller) presents ``TOKEN_BYTES`` of the one-time token that the
 worker gave it over the Dask comm (which carries the client's ``Security``), then one byte naming the socket's
@@ -15,42 +23,73 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
+import time
 
-__all__ = ["ACCEPTED", "DOWN", "UP", "TOKEN_BYTES", "connect", "connect_pair", "recv_exact", "recv_frame", "send_frame", "shutdown"]
+__all__ = ["ACCEPTED", "CHUNK", "DOWN", "UP", "TOKEN_BYTES", "FrameTooLarge", "connect", "connect_pair", "receivable",
+           "recv_exact", "recv_frame", "send_frame", "shutdown"]
 
-HEADER = struct.Struct("<Q")
+HEADER = struct.Struct("<QI")
+LENGTH = struct.Struct("<Q")
 TOKEN_BYTES = 32
 DOWN = b"d"  # controller -> worker: batches and acknowledgements
 UP = b"u"  # worker -> controller: answer chunks and the session's end
 ACCEPTED = b"\x01"
 #: bytes per second below which a send counts as stalled: a frame of n bytes may take ``timeout + n / MIN_RATE`` s
 MIN_RATE = 32 * 2**20
+#: bytes written by one ``sendall``, and the most a read allocates ahead of the bytes that arrived
+CHUNK = 64 * 2**20
 _SMALL = 64 * 1024  # frames up to this size go out in one ``sendall`` (header and body copied together)
+
+
+class FrameTooLarge(ValueError):
+    """A frame's header declares more bytes than the receiving session can hold."""
+
+
+def receivable(memory_limit: int | None = None) -> int:
+    """The most bytes one frame may declare in a process: its memory limit (a Dask worker's ``memory_limit``) if
+    set, else the machine's physical memory (``psutil.virtual_memory().total``)."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    return min(total, memory_limit) if memory_limit else total
 
 
 def send_frame(sock: socket.socket, obj, timeout: float) -> None:
     """Write ``obj`` (picklable) as one frame on ``sock``, within ``timeout`` seconds plus one second per
     ``MIN_RATE`` bytes. Raises ``OSError`` (``TimeoutError`` included) if the socket broke or the peer stopped
     reading; the caller holds the socket's write lock, and a frame cut short leaves the socket unusable."""
-    blob = pickle.dumps(obj, protocol=5)
-    n = len(blob)
-    sock.settimeout(timeout + n / MIN_RATE)
-    if n <= _SMALL:
-        sock.sendall(HEADER.pack(n) + blob)
-    else:
-        sock.sendall(HEADER.pack(n))
-        sock.sendall(blob)
+    buffers: list = []
+    blob = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    if not buffers and len(blob) <= _SMALL:
+        sock.settimeout(timeout + len(blob) / MIN_RATE)
+        sock.sendall(HEADER.pack(len(blob), 0) + blob)
+        return
+    views = [b.raw() for b in buffers]
+    total = len(blob) + sum(v.nbytes for v in views)
+    allowed = timeout + total / MIN_RATE
+    deadline = time.monotonic() + allowed
+    head = HEADER.pack(len(blob), len(views)) + b"".join(LENGTH.pack(v.nbytes) for v in views)
+    for part in (head, blob, *views):
+        view = memoryview(part)
+        for start in range(0, len(view), CHUNK):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a frame of {total} bytes was not written within {allowed:.1f} s")
+            sock.settimeout(left)
+            sock.sendall(view[start:start + CHUNK])
 
 
 def recv_exact(sock: socket.socket, n: int, idle=None) -> bytearray:
-    """Exactly ``n`` bytes from ``sock``. Raises ``EOFError`` if the peer closed it first. With ``idle``, a read
-    that times out (the socket's own timeout) calls ``idle()`` and goes on reading."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """Exactly ``n`` bytes from ``sock``, in a buffer that grows as they arrive (at most ``CHUNK`` ahead). Raises
+    ``EOFError`` if the peer closed it first. With ``idle``, a read that times out (the socket's own timeout) calls
+    ``idle()`` and goes on reading."""
+    buf = bytearray(min(n, CHUNK))
     got = 0
     while got < n:
+        if got == len(buf):  # realloc: a large buffer grows in place (mremap), nothing copied
+            buf.extend(bytes(min(n - got, CHUNK)))
         try:
-            k = sock.recv_into(view[got:])
+            k = sock.recv_into(memoryview(buf)[got:])
         except TimeoutError:
             if idle is None:
                 raise
@@ -62,10 +101,20 @@ def recv_exact(sock: socket.socket, n: int, idle=None) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket, idle=None):
-    """The next frame's object (``recv_exact`` raises)."""
-    (n,) = HEADER.unpack(recv_exact(sock, HEADER.size, idle))
-    return pickle.loads(recv_exact(sock, n, idle))
+def recv_frame(sock: socket.socket, limit: int, idle=None):
+    """The next frame's object (``recv_exact`` raises). Raises ``FrameTooLarge`` before reading further if the
+    header declares more than ``limit`` bytes in all."""
+    n, count = HEADER.unpack(recv_exact(sock, HEADER.size, idle))
+    if n + count * LENGTH.size > limit:
+        raise FrameTooLarge(f"a frame declares {n + count * LENGTH.size} bytes, more than this session can receive "
+                            f"({limit} bytes)")
+    sizes = [size for (size,) in LENGTH.iter_unpack(recv_exact(sock, count * LENGTH.size, idle))] if count else []
+    if n + sum(sizes) > limit:
+        raise FrameTooLarge(f"a frame declares {n + sum(sizes)} bytes, more than this session can receive "
+                            f"({limit} bytes)")
+    body = recv_exact(sock, n, idle)
+    buffers = [recv_exact(sock, size, idle) for size in sizes]
+    return pickle.loads(body, buffers=buffers)
 
 
 def shutdown(sock: socket.socket | None) -> None:

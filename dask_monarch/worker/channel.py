@@ -12,7 +12,9 @@ takes over again if they break. The controller sends ``{"n": <why>}`` when it do
 * controller -> worker: ``{"b": batch, "s": segments}``, a batch that also travels as a pinned Dask task (the
   inbox takes whichever copy comes first and ignores the other), with ``"a": [chunk, ...]``, the answer chunks
   received since the last batch, or ``{"a": [chunk, ...]}`` alone when no batch followed them soon;
-* worker -> controller: ``{"c": chunk, "d": bytes}``, an answer chunk of the outbox (``worker/outbox.py``), pushed
+* worker -> controller: ``{"c": chunk, "d": bytes}``, an answer chunk of the outbox (``worker/outbox.py``; one
+  with large tensors is a ``tensor_bytes.OutOfBand``, which Dask writes as its frames, the tensors' memory out of
+  band, and which arrives unpickled as ``(chunk, messages)``), pushed
   when a ``Status`` or ``SessionFailed`` is reported, and ``{"x": True}`` once the session has ended here (its
   threads joined, its memory freed), which ``mesh.exit()`` waits for.
 
@@ -26,7 +28,9 @@ import logging
 import pickle
 
 from distributed.comm.addressing import get_address_host
+from distributed.protocol import to_serialize
 
+from ..protocol.frames import receivable
 from .sockets import SocketEnd
 
 __all__ = ["CHANNEL_OP", "serve"]
@@ -51,7 +55,7 @@ class _Channel:
     async def _push(self, closed: bool) -> None:
         try:
             for chunk, blob in self.outbox.push():
-                await self.comm.write({"c": chunk, "d": blob})
+                await self.comm.write({"c": chunk, "d": blob if type(blob) is bytes else to_serialize(blob)})
             if closed:
                 await self.comm.write({"x": True})
         except Exception as e:  # closed: the chunk stays retained, for the next sync task
@@ -69,7 +73,8 @@ def _offer_sockets(plugin, tw, on_lost):
     try:
         host = get_address_host(worker.address)
         ssl_context = worker.security.get_listen_args("worker").get("ssl_context")
-        end = SocketEnd(tw.session_id, tw.rank, tw.inbox, tw.outbox, host, ssl_context, on_lost)
+        limit = receivable(worker.memory_manager.memory_limit)
+        end = SocketEnd(tw.session_id, tw.rank, tw.inbox, tw.outbox, host, ssl_context, on_lost, limit)
     except Exception as e:  # an address without a host (inproc://), no port free, ...
         return None, {"refused": f"{type(e).__name__}: {e}"}
     return end, end.offer

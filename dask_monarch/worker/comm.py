@@ -61,6 +61,9 @@ class Comms:
         self.groups: list = []
         self._gloo_addresses: list = []  # per group of ``groups`` on gloo: (own listening address, the peers', its sockets)
         self._stores: list = []
+        #: point-to-point works posted with ``post(..., pending=True)`` and not yet ``done``: aborted when the
+        #: session stops (``gloo.abort_work``: a transfer under way when its pair closed waits for comm_timeout)
+        self._pending: set = set()
         self._lock = threading.Lock()
         #: set by ``shutdown``/``abort``: a collective still waiting gives up at once
         self.stopped = threading.Event()
@@ -148,9 +151,11 @@ class Comms:
         (which must start with ``key``); released with the session's others."""
         return self._new_group(prefix, members)
 
-    def post(self, what: str, start, group=None):
+    def post(self, what: str, start, group=None, pending: bool = False):
         """``start()`` (which posts operations on the session's groups and returns their works), unless the session
-        has stopped: then ``CommError``. Under the lock that ``shutdown``/``abort`` take to stop, so an operation is
+        has stopped: then ``CommError``. With ``pending`` (``start`` returns a list of gloo point-to-point works),
+        the works are kept until ``done`` and aborted if the session stops meanwhile (``shutdown``/``abort``), so
+        that their ``wait()`` returns False at once (``gloo.abort_work``; ``send_tensor._wait``). Under the lock that ``shutdown``/``abort`` take to stop, so an operation is
         either refused or posted before the groups' connections are shut down (which then fails it): a gloo
         send posted on a pair already shut down would wait for ``comm_timeout``. With ``group`` (gloo), also
         ``CommError`` if gloo already closed one of its connections (a peer aborted or left): a send posted there
@@ -163,7 +168,15 @@ class Comms:
                     if g is group and gloo.closed_sockets(addresses[2]):
                         raise CommError(f"{what} abandoned: a connection of its gloo group was closed (a peer "
                                         "aborted or left)")
-            return start()
+            works = start()
+            if pending and self.backend == "gloo":
+                self._pending.update(works)
+            return works
+
+    def done(self, works) -> None:
+        """The caller no longer waits on ``works`` (posted with ``post(..., pending=True)``)."""
+        with self._lock:
+            self._pending.difference_update(works)
 
     def release(self, group) -> None:
         """Release ``group`` now, before the session ends (its last user is done with it)."""
@@ -198,6 +211,7 @@ class Comms:
             self.stopped.set()
             groups, self.groups = self.groups, []
             addresses, self._gloo_addresses = self._gloo_addresses, []
+            pending, self._pending = self._pending, set()
             self._stores = []
             self.world = None
         for i, group in enumerate(groups):
@@ -206,6 +220,9 @@ class Comms:
                     _abort_gloo(addresses[i])
             else:
                 _quietly(group.abort if abort else group.shutdown)
+        for work in pending:  # after the connections: a transfer under way there never ends otherwise (gloo.py)
+            gloo.abort_work(work)
+        del pending
         # the last reference is dropped by whoever holds it last (a stream thread that was waiting in one): the
         # destructor joins the group's threads and closes its sockets, at once now that nothing is pending
         del groups

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-__all__ = ["select_device", "pin", "gpu_identity", "gpu_of_worker"]
+__all__ = ["select_device", "pin", "gpu_identity", "gpu_of_worker", "guard_set_device"]
 
 
 def select_device(local_rank: int = 0) -> torch.device:
@@ -35,6 +35,45 @@ def pin(device: torch.device) -> None:
     """Make ``device`` the current CUDA device of the calling thread (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def guard_set_device() -> None:
+    """Check ``torch.cuda.set_device`` in remote functions, as Monarch's worker does: the rank's device is chosen
+    and pinned by dask_monarch on every stream thread, so a remote function that asks for another device gets a
+    ``ValueError`` naming the devices available ("Only devices ... are available to monarch worker, but
+    torch.cuda.set_device(d) was called", Monarch's words), instead of computing on a device the session did not
+    give it (or, on a CPU worker, an obscure error from torch). Setting the rank's own device is allowed. Outside a
+    stream thread (other Dask work in the worker process) ``set_device`` is torch's own. Installed once per
+    process, by the first session's ``TensorWorker``."""
+    if getattr(torch.cuda.set_device, "_dask_monarch_guard", False):
+        return
+    original = torch.cuda.set_device
+
+    def set_device(device) -> None:
+        from .context import current_stream
+
+        stream = current_stream()
+        if stream is not None:
+            own = stream.tw.device
+            wanted = None
+            if own.type == "cuda":
+                try:
+                    wanted = torch.cuda._get_device_index(device, optional=True)
+                except (ValueError, RuntimeError, TypeError):
+                    wanted = None
+            if wanted is None or wanted != own.index:
+                available = str(own.index) if own.type == "cuda" else "None"
+                raise ValueError(
+                    f"Only devices {available} are available to monarch worker, but torch.cuda.set_device({device}) "
+                    f"was called (rank {stream.tw.rank}, a {'CUDA' if own.type == 'cuda' else 'CPU'} worker): "
+                    f"dask_monarch sets each rank's device ({own}) on its streams; compute on it (device='cuda' "
+                    "or torch.cuda.current_device()) instead of choosing another")
+        return original(device)
+
+    set_device._dask_monarch_guard = True
+    set_device.__wrapped__ = original
+    set_device.__doc__ = original.__doc__
+    torch.cuda.set_device = set_device
 
 
 def gpu_identity(local_rank: int = 0) -> dict | None:

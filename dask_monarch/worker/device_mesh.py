@@ -30,12 +30,25 @@ class Dim:
 
 
 class DeviceMesh:
-    """Mesh ``names`` over the global ``ranks`` (a ``Slice``) seen from global rank ``me``.
+    """Mesh ``names`` over the global ``ranks`` (a ``Slice``) seen from global rank ``me``:
+    ``DeviceMesh(names, ranks, me)``, or as Monarch's worker builds it, ``DeviceMesh(def_id, names, ranks, rank=me)``
+    (``def_id``, the mesh's id, is kept as ``id``; None in the first form).
 
-    Raises ``MeshError`` if ``me`` is not in ``ranks`` or the number of names differs from the number of dims.
+    Raises ``MeshError`` if ``me`` is not in ``ranks`` or the number of names differs from the number of dims;
+    ``TypeError`` for another number of arguments.
     """
 
-    def __init__(self, names, ranks: Slice, me: int):
+    def __init__(self, *args, rank: int | None = None):
+        if len(args) == 4 and rank is None:
+            self.id, names, ranks, me = args
+        elif len(args) == 3 and rank is not None:
+            self.id, names, ranks, me = (*args, rank)
+        elif len(args) == 3:
+            self.id = None
+            names, ranks, me = args
+        else:
+            raise TypeError("DeviceMesh takes (names, ranks, me) or Monarch's (def_id, names, ranks, rank=me), got "
+                            f"{len(args)} positional arguments" + (" and rank=" if rank is not None else ""))
         names = list(names)
         if len(names) != len(ranks.sizes):
             raise MeshError(f"CreateDeviceMesh: {len(names)} names {names} for {len(ranks.sizes)} dims of {ranks}")

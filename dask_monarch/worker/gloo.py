@@ -17,17 +17,33 @@ port (the peers that connected to it) or whose remote port is a peer's (the conn
 candidate is checked on a duplicate of its descriptor, so a descriptor closed and reused meanwhile is never
 touched; the listening socket is left alone (gloo's listener thread aborts the process on an accept error).
 Linux (``/proc/self/fd``) and other systems with ``/dev/fd``; elsewhere the abort finds nothing to shut down.
+
+Shutting the connections down is not enough for a point-to-point transfer already under way (``to_mesh``): gloo
+fails the send and receive operations a pair still holds in its queues when the pair closes, but not the one it is
+writing or reading at that moment (``tcp::Pair::signalException`` skips the unbound buffer of its ``tx_`` and
+``rx_`` operations), so a ``SendWork``/``RecvWork`` whose peer died mid-transfer, or whose pair was shut down
+then, waits in ``UnboundBuffer::waitSend``/``waitRecv`` until the group's timeout (measured with torch 2.13: a
+256 MiB ``recv`` whose sender was SIGKILLed mid-transfer, and a send whose pair was shut down under it, each waited
+its whole 60 s timeout). Torch's ``Work.abort()`` (``ProcessGroupGloo::SendWork::abort``: ``abortWaitSend``) ends
+that wait, but torch does not bind it in Python; ``abort_work`` calls it: the ``Work``'s C++ pointer comes from
+pybind11's cross-module interface (``_pybind11_conduit_v1_``, pybind11 >= 2.11.2), its dynamic type is checked
+against the vtables of gloo's ``SendWork`` and ``RecvWork`` (exported by ``libtorch_cpu``), and only then is that
+class's ``abort`` called (``ctypes``). Anything else (another backend, another build, a missing symbol) is left
+alone and reported as not aborted.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import socket
 import threading
 
 import torch.distributed as dist
 
-__all__ = ["LISTENING", "closed_sockets", "create_device", "group_sockets", "shutdown_connections", "shutdown_sockets"]
+__all__ = ["LISTENING", "abort_work", "closed_sockets", "create_device", "group_sockets", "shutdown_connections",
+           "shutdown_sockets"]
 
 #: held while a listening socket is opened in this process (one gloo device at a time, and the session's answer
 #: sockets, ``worker/sockets.py``), so that the one new listening socket ``create_device`` finds is that device's
@@ -194,3 +210,108 @@ def shutdown_sockets(sockets) -> int:
 def closed_sockets(sockets) -> int:
     """How many ``(fd, identity)`` of ``group_sockets`` no longer refer to their socket (gloo closed the pair)."""
     return sum(1 for fd, identity in sockets if _identity(fd) != identity)
+
+
+_CONDUIT = "_pybind11_conduit_v1_"
+#: gloo's point-to-point works and their ``abort`` (Itanium C++ ABI names, exported by libtorch_cpu)
+_WORKS = {
+    "send": ("_ZTVN4c10d16ProcessGroupGloo8SendWorkE", "_ZN4c10d16ProcessGroupGloo8SendWork5abortEv"),
+    "recv": ("_ZTVN4c10d16ProcessGroupGloo8RecvWorkE", "_ZN4c10d16ProcessGroupGloo8RecvWork5abortEv"),
+}
+
+
+def _abi_ids() -> list[bytes]:
+    """The pybind11 ABI ids (``PYBIND11_PLATFORM_ABI_ID``) of the pybind11 builds loaded in this interpreter, from
+    the names under which they keep their internals (``__pybind11_internals_v<N>_<id>__``: pybind11 >= 3 in the
+    interpreter's state dict, older ones in ``builtins``); the conduit answers only to its own build's id."""
+    import builtins
+
+    names = list(vars(builtins))
+    try:
+        api = ctypes.PyDLL(None)  # the interpreter's C API, with our own function objects (not ctypes.pythonapi's)
+        api.PyInterpreterState_Get.restype = ctypes.c_void_p
+        api.PyInterpreterState_GetDict.restype = ctypes.py_object
+        api.PyInterpreterState_GetDict.argtypes = [ctypes.c_void_p]
+        names += list(api.PyInterpreterState_GetDict(api.PyInterpreterState_Get()))
+    except (OSError, AttributeError, ValueError):
+        pass
+    found = []
+    for name in names:
+        if isinstance(name, str) and name.startswith("__pybind11_internals_v") and name.endswith("__"):
+            parts = name[2:-2].split("_", 3)  # pybind11, internals, v<N>, <id>
+            if len(parts) == 4 and parts[3].encode() not in found:
+                found.append(parts[3].encode())
+    return found
+
+
+class _Conduit:
+    """What ``abort_work`` needs, found once: the pybind11 ABI ids, a capsule of ``std::type_info`` for
+    ``c10d::Work``, the capsule functions of the C API, and ``{vtable address: abort function}``."""
+
+    __slots__ = ("abis", "type_info", "aborts", "name", "pointer")
+
+
+@functools.lru_cache(maxsize=1)
+def _conduit() -> _Conduit | None:
+    """The ``_Conduit`` of this process, or None where this torch build does not offer what it needs."""
+    import torch
+
+    c = _Conduit()
+    try:
+        api = ctypes.PyDLL(None)
+        new_capsule = api.PyCapsule_New
+        new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                                        ctypes.c_void_p]
+        c.name = api.PyCapsule_GetName
+        c.name.restype, c.name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+        c.pointer = api.PyCapsule_GetPointer
+        c.pointer.restype, c.pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        type_info = ctypes.addressof(ctypes.c_void_p.in_dll(cpu, "_ZTIN4c10d4WorkE"))
+        aborts = {}
+        for vtable_name, abort_name in _WORKS.values():
+            # a vtable's address point follows its offset-to-top and its type_info pointer
+            vtable = ctypes.addressof(ctypes.c_void_p.in_dll(cpu, vtable_name)) + 2 * ctypes.sizeof(ctypes.c_void_p)
+            fn = getattr(cpu, abort_name)
+            fn.argtypes, fn.restype = [ctypes.c_void_p], None
+            aborts[vtable] = fn
+        c.aborts = aborts
+        c.type_info = new_capsule(type_info, b"St9type_info", None)  # typeid(std::type_info).name()
+    except (OSError, AttributeError, ValueError):
+        return None
+    c.abis = _abi_ids()
+    return c
+
+
+def _work_pointer(work, c: _Conduit) -> int | None:
+    """The C++ ``c10d::Work*`` behind the Python ``work``, through pybind11's conduit, or None."""
+    conduit = getattr(work, _CONDUIT, None)
+    if conduit is None:
+        return None
+    for abi in c.abis:
+        try:
+            capsule = conduit(abi, c.type_info, b"raw_pointer_ephemeral")
+        except Exception:
+            return None
+        if capsule is not None:
+            return c.pointer(capsule, c.name(capsule))
+    return None
+
+
+def abort_work(work) -> bool:
+    """End a wait on gloo point-to-point ``work`` (a ``SendWork`` or ``RecvWork`` of ``ProcessGroupGloo.send`` /
+    ``recv``, as ``torch.distributed.batch_isend_irecv`` returns them), now or, if nobody waits yet, at its next
+    ``wait()``, which then returns False (torch's ``Work::abort``: gloo's ``abortWaitSend``/``abortWaitRecv``).
+    The caller keeps ``work`` alive meanwhile. Returns whether it was aborted: False for any other kind of work,
+    or where this torch build does not offer what is needed (see the module's docstring)."""
+    c = _conduit()
+    if c is None:
+        return False
+    pointer = _work_pointer(work, c)
+    if not pointer:
+        return False
+    abort = c.aborts.get(ctypes.c_void_p.from_address(pointer).value)
+    if abort is None:
+        return False
+    abort(pointer)
+    return True

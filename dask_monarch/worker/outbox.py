@@ -22,18 +22,23 @@ import collections
 import threading
 
 import cloudpickle
+from dask.sizeof import sizeof
 
 from ..protocol import FetchResult, SessionFailed, Status, WorkerError, tensor_bytes
 
 __all__ = ["Outbox", "dumps_chunk"]
 
+# a ``sync_batch`` task's result may hold an ``OutOfBand`` chunk: Dask's memory manager counts its tensors' bytes
+sizeof.register(tensor_bytes.OutOfBand)(lambda chunk: chunk.nbytes)
+
 #: the answers whose arrival wakes the channel (the controller waits for them); the others ride along
 _PUSHED = (Status, SessionFailed)
 
 
-def dumps_chunk(chunk: int | None, messages: list, actor_id: str) -> bytes:
-    """Pickle ``(chunk, messages)`` (``protocol/tensor_bytes.py``); a fetched value that cannot be pickled becomes that fetch's error, nothing
-    is lost."""
+def dumps_chunk(chunk: int | None, messages: list, actor_id: str):
+    """Pickle ``(chunk, messages)`` (``protocol/tensor_bytes.py``: bytes, or a ``tensor_bytes.OutOfBand`` that
+    refers to the memory of its large tensors, not a copy); a fetched value that cannot be pickled becomes that
+    fetch's error, nothing is lost."""
     try:
         return tensor_bytes.dumps((chunk, messages))  # a fetched CPU tensor as its bytes
     except Exception:
@@ -59,7 +64,7 @@ class Outbox:
         self._messages: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._next = 0
-        self._retained: dict[int, bytes] = {}  # pushed and not yet acknowledged
+        self._retained: dict = {}  # chunk -> its pickle (``dumps_chunk``), pushed and not yet acknowledged
         self._channel = None
         self._scheduled = False  # a push is on its way to the event loop
         self._resend = False  # the channel attached last has not yet pushed the retained chunks
@@ -77,7 +82,7 @@ class Outbox:
             self._scheduled = True
             channel.wake()
 
-    def _take(self) -> tuple[int, bytes] | None:
+    def _take(self) -> tuple[int, object] | None:
         """The next chunk: everything queued, numbered and pickled; None if nothing is queued. Under ``_cond``."""
         messages = []
         pop = self._messages.popleft
@@ -124,7 +129,7 @@ class Outbox:
             self._scheduled = False
             self._cond.notify_all()
 
-    def push(self) -> list[tuple[int, bytes]]:
+    def push(self) -> list[tuple[int, object]]:
         """The chunks to push now, in order (each kept until ``acked``): those retained for a channel that broke,
         once, then everything queued as a new chunk; maybe none. Called by the channel, on its own thread."""
         with self._cond:
@@ -154,7 +159,7 @@ class Outbox:
                 self._cond.notify_all()
 
     # ---------------------------------------------------------------------------------------------- tasks
-    def for_task(self, settle: float) -> list[bytes]:
+    def for_task(self, settle: float) -> list:
         """The chunks a ``sync_batch`` task returns: after waiting up to ``settle`` seconds for the channel's pushes
         under way to be acknowledged (if a channel is attached), the chunks still unacknowledged and then the rest
         of the outbox as a new chunk (any of them may be empty); nothing when a host's relay carries the answers

@@ -25,6 +25,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
+from ..protocol.frames import receivable
 from ..protocol.session_id import session_tag
 from . import activity, debugger, prometheus
 from .channel import CHANNEL_OP, serve
@@ -93,7 +94,8 @@ class MonarchWorkerPlugin(WorkerPlugin):
             host = offers[min(offers)]["host"]
             listen = worker.security.get_listen_args("worker").get("ssl_context")
             connect = worker.security.get_connection_args("worker").get("ssl_context")
-            relay = await asyncio.to_thread(HostRelay, session_id, rank, offers, host, listen, connect)
+            limit = receivable(worker.memory_manager.memory_limit)
+            relay = await asyncio.to_thread(HostRelay, session_id, rank, offers, host, listen, connect, limit)
         except Exception as e:
             await comm.write({"refused": f"{type(e).__name__}: {e}"})
             return

@@ -33,7 +33,7 @@ import logging
 import pickle
 import threading
 
-from ..protocol import FetchResult, Status
+from ..protocol import FetchResult, Status, tensor_bytes
 from ..protocol.frames import connect_pair, recv_frame, send_frame, shutdown
 from ..protocol.session_id import session_tag
 from .sockets import SEND_TIMEOUT, SocketEnd
@@ -71,12 +71,13 @@ class _RankLink:
         why = None
         try:
             while True:
-                msg = recv_frame(self.up)
+                msg = recv_frame(self.up, relay.limit)
                 if "x" in msg:
                     self.ended = True
                     relay.ended(rank)
                     continue
                 relay.chunk(rank, msg["d"])  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
+                msg = None  # a fetched tensor is the controller's: not kept here until the next answer
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
         finally:
@@ -141,7 +142,8 @@ class _RelayOutbox:
             entries, self._entries = self._entries, []
             chunk = self._next
             self._next += 1
-        return [(chunk, pickle.dumps(entries, protocol=5))]
+        # a fetched tensor's memory travels out of band (``frames.send_frame``), as from the rank itself
+        return [(chunk, tensor_bytes.dumps(entries))]
 
     def stale(self, channel, closed: bool = False) -> None:
         pass
@@ -153,12 +155,14 @@ class _RelayOutbox:
 class HostRelay:
     """The relay of session ``session_id`` on this host's leader (rank ``leader``): ``offers`` is ``{rank: offer}``
     of the host's ranks' answer sockets (``worker/sockets.py``), ``host`` where to listen for the controller,
-    ``ssl_context`` the worker's (TLS when the cluster uses it). ``offer`` is what the controller connects to;
+    ``ssl_context`` the worker's (TLS when the cluster uses it), ``limit`` the most bytes a frame may declare.
+    ``offer`` is what the controller connects to;
     ``close()`` ends it (any thread); it ends by itself once every rank's sockets have closed (the session ended
     on each rank: their ``("x", rank)`` went first) or the controller's broke. Raises ``OSError`` if a rank's sockets cannot be connected."""
 
-    def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl):
+    def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl, limit: int):
         self.session_id = session_id
+        self.limit = limit  # the most bytes a frame may declare (``frames.receivable``)
         self.tag = session_tag(session_id)
         self.leader = leader
         self._lock = threading.Lock()
@@ -173,7 +177,7 @@ class HostRelay:
             for rank in sorted(offers):
                 self.links[rank] = _RankLink(self, rank, offers[rank], client_ssl)
             self.end = SocketEnd(session_id, leader, _RelayInbox(self), self.outbox, host, ssl_context,
-                                 self._controller_lost)
+                                 self._controller_lost, limit)
         except BaseException:
             for link in self.links.values():
                 link.close()
@@ -200,7 +204,7 @@ class HostRelay:
     def chunk(self, rank: int, blob: bytes) -> None:
         """An answer chunk of ``rank`` (on its link's reader): absorbed, held or sent (the module's docstring)."""
         try:
-            _, messages = pickle.loads(blob)
+            _, messages = blob if type(blob) is tuple else pickle.loads(blob)  # a tuple: it had out-of-band tensors
             kinds = {type(m) for m in messages}
             seqs = [m.seq for m in messages if type(m) is Status]
         except Exception:  # a value whose class the relay cannot load: the controller reads it as before

@@ -211,13 +211,16 @@ def _transfer(p: Plan, value, buffer, comms) -> None:
     what = f"SendTensor into {p.msg.result} (" + " and ".join(peers) + ")"
     try:
         try:
-            works = comms.post(what, lambda: dist.batch_isend_irecv(ops), p.group)
+            works = comms.post(what, lambda: dist.batch_isend_irecv(ops), p.group, pending=True)
         except comm.CommError:
             raise
         except Exception as e:
             raise comm.CommError(f"{what} could not start: {type(e).__name__}: {e}") from None
-        for work in works:
-            _wait(work, what, comms)
+        try:
+            for work in works:
+                _wait(work, what, comms)
+        finally:
+            comms.done(works)
     except comm.CommError as e:
         raise FatalError(str(e)) from None
 
@@ -225,10 +228,11 @@ def _transfer(p: Plan, value, buffer, comms) -> None:
 def _wait(work, what: str, comms) -> None:
     """Wait for a point-to-point ``work`` until it is done. Not in slices as ``comm._wait`` waits for
     collectives: a gloo receive whose wait times out closes its pair ("Application timeout caused pair
-    closure"). The group's own timeout (``comm_timeout``) bounds it, and ``Comms.abort`` ends it at once (it
-    shuts the group's connections down)."""
+    closure"). The group's own timeout (``comm_timeout``) bounds it, and the session's end (``Comms.abort`` or
+    ``shutdown``) ends it at once: it shuts the group's connections down and aborts the work (``gloo.abort_work``),
+    whose ``wait()`` then returns False, also for a transfer that was under way when its peer died."""
     try:
-        work.wait()
+        completed = work.wait()
     except Exception as e:
         if comms.stopped.is_set():
             raise comm.CommError(f"{what} abandoned: {comms.stop_reason}") from None
@@ -238,6 +242,8 @@ def _wait(work, what: str, comms) -> None:
                 f"(still busy with earlier work, stopped, or not at this transfer): {type(e).__name__}: {e}"
             ) from None
         raise comm.CommError(f"{what} failed: {type(e).__name__}: {e}") from None
+    if completed is False:  # aborted (Comms.abort/shutdown): the session stopped
+        raise comm.CommError(f"{what} abandoned: {comms.stop_reason}")
 
 
 def _store(stream, p: Plan, value) -> None:

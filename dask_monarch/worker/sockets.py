@@ -13,10 +13,15 @@ one thread at a time at each end, so that TLS (an ``ssl.SSLSocket``, not safe fo
 works: both are wrapped in the worker's ``ssl_context`` (``Security.get_listen_args("worker")``) when the cluster
 uses TLS.
 
-Nothing waits unbounded: the controller has ``ACCEPT_TIMEOUT`` seconds to connect, a token or TLS handshake
-``ACCEPT_TIMEOUT`` at most, and a write ``SEND_TIMEOUT`` seconds plus one per ``frames.MIN_RATE`` bytes (a
-stopped controller). When a socket breaks, both close, and ``on_lost`` puts the comm channel back in charge of the
-outbox (which re-sends the chunks not yet acknowledged); the batches come with their tasks. At the session's end
+Nothing waits unbounded: the controller has ``ACCEPT_TIMEOUT`` seconds to connect, and a write ``SEND_TIMEOUT``
+seconds plus one per ``frames.MIN_RATE`` bytes (a stopped controller). Connections are accepted meanwhile without
+waiting on any of them (issue 26 item 6: a port scanner's idle connection once made the controller give up on the
+sockets): each has ``TOKEN_TIMEOUT`` seconds to finish its TLS handshake and present the token, read as it arrives
+with a selector, and at most ``MAX_PENDING`` may be presenting at once (more are closed at once); one that presents
+anything else is closed. A frame that declares more than the worker can hold (``frames.receivable``: its Dask
+``memory_limit``, else the machine's memory) ends the sockets before anything is allocated for it. When a socket
+breaks, both close, and ``on_lost`` puts the comm channel back in charge of the outbox (which re-sends the chunks
+not yet acknowledged); the batches come with their tasks. At the session's end
 the up socket says so (``{"x": True}``) and both close; the reader thread ends on its own.
 """
 
@@ -25,20 +30,26 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import selectors
 import socket
+import ssl
 import threading
 import time
 
-from ..protocol.frames import ACCEPTED, DOWN, TOKEN_BYTES, UP, recv_exact, recv_frame, send_frame, shutdown
+from ..protocol.frames import ACCEPTED, DOWN, TOKEN_BYTES, UP, recv_frame, send_frame, shutdown
 from ..protocol.session_id import session_tag
 from .gloo import LISTENING
 
-__all__ = ["SocketEnd", "ACCEPT_TIMEOUT", "SEND_TIMEOUT"]
+__all__ = ["SocketEnd", "ACCEPT_TIMEOUT", "MAX_PENDING", "SEND_TIMEOUT", "TOKEN_TIMEOUT"]
 
 logger = logging.getLogger("dask_monarch.worker")
 
 #: seconds the controller has to connect both sockets once they are offered
 ACCEPT_TIMEOUT = 10.0
+#: seconds a connection has to finish its TLS handshake and present the token
+TOKEN_TIMEOUT = 2.0
+#: connections that may be presenting their token at once; one more is closed at once
+MAX_PENDING = 16
 #: seconds a frame's write may take (plus one per ``frames.MIN_RATE`` bytes) before the socket counts as broken
 SEND_TIMEOUT = 10.0
 
@@ -46,9 +57,11 @@ SEND_TIMEOUT = 10.0
 class SocketEnd:
     """One session's answer sockets on this worker: ``offer`` is what the controller needs to connect; the outbox
     is attached to it once both sockets are up (``wake`` is the outbox's channel interface); ``close()`` (any
-    thread) ends it. ``on_lost(error)`` is called (on its thread) if it breaks before ``close()``."""
+    thread) ends it. ``on_lost(error)`` is called (on its thread) if it breaks before ``close()``. ``limit``: the
+    most bytes a frame from the controller may declare (``frames.receivable``)."""
 
-    def __init__(self, session_id: str, rank: int, inbox, outbox, host: str, ssl_context, on_lost):
+    def __init__(self, session_id: str, rank: int, inbox, outbox, host: str, ssl_context, on_lost, limit: int):
+        self.limit = limit
         self.inbox = inbox
         self.outbox = outbox
         self._ssl = ssl_context
@@ -77,15 +90,16 @@ class SocketEnd:
             if not self._may_attach.wait(ACCEPT_TIMEOUT) or self._closing:
                 raise ConnectionAbortedError("the comm channel did not start")
             self.outbox.attach(self)
-            inbox, outbox, down = self.inbox, self.outbox, self._down
+            inbox, outbox, down, limit = self.inbox, self.outbox, self._down, self.limit
             while True:
-                msg = recv_frame(down)
+                msg = recv_frame(down, limit)
                 if "b" in msg:
                     inbox.put(msg["b"], msg["s"])
                 elif "r" in msg:  # a host's relay connected (``worker/relay.py``): answers go through it alone
                     outbox.relayed = True
                 for chunk in msg.get("a", ()):
                     outbox.acked(chunk)
+                msg = None  # a batch's arguments are the inbox's now: not kept here until the next batch
         except Exception as e:  # closed, broken, or never connected
             error = e.with_traceback(None)  # no frame -> traceback -> frame cycle (the GC may be off)
         finally:
@@ -93,34 +107,108 @@ class SocketEnd:
 
     def _accept(self) -> None:
         """Accept the down and up sockets, each presenting the token (after the TLS handshake, with TLS), within
-        ``ACCEPT_TIMEOUT``; other connections are closed and ignored. Raises ``TimeoutError`` at the deadline."""
+        ``ACCEPT_TIMEOUT``, all connections served at once by one selector; one that presents anything else, or
+        nothing within ``TOKEN_TIMEOUT``, is closed. Raises ``TimeoutError`` at the deadline."""
         deadline = time.monotonic() + ACCEPT_TIMEOUT
-        while self._down is None or self._up is None:
-            left = deadline - time.monotonic()
-            if self._closing:
-                raise ConnectionAbortedError("closed before the controller connected")
-            if left <= 0:
-                raise TimeoutError(f"the controller did not connect its answer sockets within {ACCEPT_TIMEOUT} s")
-            self._listener.settimeout(left)
-            conn, _ = self._listener.accept()
+        listener = self._listener
+        listener.setblocking(False)
+        pending: dict[socket.socket, _Pending] = {}
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
             try:
-                conn.settimeout(left)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._ssl is not None:
-                    conn = self._ssl.wrap_socket(conn, server_side=True)
-                presented = bytes(recv_exact(conn, TOKEN_BYTES + 1))
-                token, direction = presented[:TOKEN_BYTES], presented[TOKEN_BYTES:]
-                slot = {DOWN: "_down", UP: "_up"}.get(direction)
-                if not hmac.compare_digest(token, self._token) or slot is None or getattr(self, slot) is not None:
-                    raise ConnectionRefusedError("a connection without this session's token")
-                conn.sendall(ACCEPTED)
-                conn.settimeout(None)
-                setattr(self, slot, conn)
-            except Exception as e:
-                logger.debug("dask_monarch: refused a connection to an answer socket: %s", e)
-                conn.close()
-        shutdown(self._listener)
-        self._listener.close()
+                while self._down is None or self._up is None:
+                    now = time.monotonic()
+                    if self._closing:
+                        raise ConnectionAbortedError("closed before the controller connected")
+                    if now >= deadline:
+                        raise TimeoutError(
+                            f"the controller did not connect its answer sockets within {ACCEPT_TIMEOUT} s")
+                    for p in [p for p in pending.values() if p.deadline <= now]:
+                        self._refuse(selector, pending, p, f"no token within {TOKEN_TIMEOUT} s")
+                    wake = min([deadline, *(p.deadline for p in pending.values())])
+                    for key, _ in selector.select(max(0.0, wake - now)):
+                        if key.fileobj is listener:
+                            self._take(selector, pending, deadline)
+                        else:
+                            self._read_token(selector, pending, key.data)
+            finally:
+                for p in list(pending.values()):
+                    p.sock.close()
+        shutdown(listener)
+        listener.close()
+
+    def _take(self, selector, pending: dict, deadline: float) -> None:
+        """Accept one connection (the listener is readable) and start reading its token."""
+        try:
+            conn, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        except OSError:
+            if self._closing:  # ``close()`` shut the listener down
+                raise ConnectionAbortedError("closed before the controller connected") from None
+            raise
+        if len(pending) >= MAX_PENDING:
+            logger.debug("dask_monarch: refused a connection to an answer socket: %d already presenting", MAX_PENDING)
+            conn.close()
+            return
+        try:
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                conn = self._ssl.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        except OSError as e:
+            logger.debug("dask_monarch: refused a connection to an answer socket: %s", e)
+            conn.close()
+            return
+        p = pending[conn] = _Pending(conn, min(deadline, time.monotonic() + TOKEN_TIMEOUT), self._ssl is not None)
+        selector.register(conn, selectors.EVENT_READ, p)
+        self._read_token(selector, pending, p)
+
+    def _read_token(self, selector, pending: dict, p: "_Pending") -> None:
+        """Go on with ``p``'s TLS handshake and token as far as what arrived allows; take the socket, or close it,
+        once it presented ``TOKEN_BYTES + 1`` bytes."""
+        sock = p.sock
+        try:
+            if p.handshake:
+                sock.do_handshake()
+                p.handshake = False
+            while len(p.got) < TOKEN_BYTES + 1:
+                data = sock.recv(TOKEN_BYTES + 1 - len(p.got))
+                if not data:
+                    raise EOFError("closed before presenting a token")
+                p.got += data
+        except ssl.SSLWantWriteError:
+            selector.modify(sock, selectors.EVENT_WRITE, p)
+            return
+        except (ssl.SSLWantReadError, BlockingIOError):
+            selector.modify(sock, selectors.EVENT_READ, p)
+            return
+        except Exception as e:
+            self._refuse(selector, pending, p, f"{type(e).__name__}: {e}")
+            return
+        token, direction = bytes(p.got[:TOKEN_BYTES]), bytes(p.got[TOKEN_BYTES:])
+        slot = {DOWN: "_down", UP: "_up"}.get(direction)
+        if not hmac.compare_digest(token, self._token) or slot is None or getattr(self, slot) is not None:
+            self._refuse(selector, pending, p, "a connection without this session's token")
+            return
+        selector.unregister(sock)
+        del pending[sock]
+        try:
+            sock.settimeout(TOKEN_TIMEOUT)
+            sock.sendall(ACCEPTED)
+            sock.settimeout(None)
+        except OSError as e:
+            logger.debug("dask_monarch: an answer socket broke as it was accepted: %s", e)
+            sock.close()
+            return
+        setattr(self, slot, sock)
+
+    @staticmethod
+    def _refuse(selector, pending: dict, p: "_Pending", why: str) -> None:
+        logger.debug("dask_monarch: refused a connection to an answer socket: %s", why)
+        selector.unregister(p.sock)
+        del pending[p.sock]
+        p.sock.close()
 
     def _end(self, error: BaseException | None) -> None:
         """On the thread, last: detach from the outbox, wait for a write under way, close everything, and tell
@@ -174,3 +262,16 @@ class SocketEnd:
         self._may_attach.set()
         for sock in (self._listener, self._down, self._up):
             shutdown(sock)
+
+
+class _Pending:
+    """A connection to the answer port that has not yet presented its token: the bytes it sent so far, and the
+    moment it is closed unless it has presented it."""
+
+    __slots__ = ("sock", "deadline", "handshake", "got")
+
+    def __init__(self, sock: socket.socket, deadline: float, handshake: bool):
+        self.sock = sock
+        self.deadline = deadline
+        self.handshake = handshake  # a TLS handshake to finish first
+        self.got = bytearray()

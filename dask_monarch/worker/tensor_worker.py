@@ -58,7 +58,7 @@ from .actors import ActorCallStep
 from .borrow import Borrow, BorrowStep
 from .comm import Comms
 from .comm_handlers import CommHandlers
-from .device import pin, select_device
+from .device import guard_set_device, pin, select_device
 from .device_mesh import DeviceMesh, MeshError
 from .errors import FatalError
 from .inbox import Inbox, load_segment
@@ -118,6 +118,7 @@ class TensorWorker(CommHandlers):
         address = getattr(worker, "address", "local")
         self.actor_id = f"{address}/{session_tag(session_id)}/rank{rank}"
         self.device = select_device(int(options.get("local_rank", 0)))
+        guard_set_device()  # Monarch's check on torch.cuda.set_device in remote functions
         self.streams: dict[int, StreamWorker] = {}
         self.device_meshes: dict[int, DeviceMesh] = {}
         self.borrows: dict[int, Borrow] = {}
