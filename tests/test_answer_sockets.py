@@ -20,6 +20,7 @@ from distributed import Client, LocalCluster
 import dask_monarch as dm
 from conftest import wait_until
 from dask_monarch.controller import sockets as controller_sockets
+from dask_monarch.protocol import frames
 from dask_monarch.worker.plugin import PLUGIN_NAME
 
 TIMEOUT = 60
@@ -323,7 +324,7 @@ def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_soc
     """Issue 26 item 6: an idle connection and a wrong-token one to each offered port, opened before the controller
     connects (a port scanner), neither delay the controller's connections (the workers' ``TOKEN_TIMEOUT`` is raised
     to 60 s here: waiting for the idle one would take that long) nor cost the session its sockets."""
-    real = controller_sockets._connect
+    real = frames.connect  # each socket of the pair (``frames.connect_pair``)
     strays, times = [], []
 
     def stray_first(offer, direction, ssl_context, timeout):
@@ -339,7 +340,7 @@ def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_soc
         finally:
             times.append(time.monotonic() - start)
 
-    monkeypatch.setattr(controller_sockets, "_connect", stray_first)
+    monkeypatch.setattr(frames, "connect", stray_first)
     before = client2.run(_set_token_timeout, 60.0)
     try:
         with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
