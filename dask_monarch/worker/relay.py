@@ -82,7 +82,8 @@ class _RankLink:
             why = f"{type(e).__name__}: {e}"
         finally:
             shutdown(self.down)
-            self.down.close()
+            with self.lock:  # no forward is writing on it meanwhile
+                self.down.close()
             self.up.close()
             if not self.ended:
                 relay.lost(rank, why)
@@ -155,10 +156,11 @@ class _RelayOutbox:
 class HostRelay:
     """The relay of session ``session_id`` on this host's leader (rank ``leader``): ``offers`` is ``{rank: offer}``
     of the host's ranks' answer sockets (``worker/sockets.py``), ``host`` where to listen for the controller,
-    ``ssl_context`` the worker's (TLS when the cluster uses it), ``limit`` the most bytes a frame may declare.
-    ``offer`` is what the controller connects to;
-    ``close()`` ends it (any thread); it ends by itself once every rank's sockets have closed (the session ended
-    on each rank: their ``("x", rank)`` went first) or the controller's broke. Raises ``OSError`` if a rank's sockets cannot be connected."""
+    ``ssl_context`` the worker's listening context and ``client_ssl`` its connecting one (TLS when the cluster uses
+    it), ``limit`` the most bytes a frame may declare. ``offer`` is what the controller connects to; ``close()``
+    ends it (any thread); it ends by itself once every rank's sockets have closed (the session ended on each rank:
+    their ``("x", rank)`` went first) or the controller's broke. Raises ``OSError`` if a rank's sockets cannot be
+    connected."""
 
     def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl, limit: int):
         self.session_id = session_id
