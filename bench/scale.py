@@ -117,7 +117,7 @@ class Case:
         times = sorted(self.fetches)
         return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
                 "op": statistics.median(self.ops) * 1e6,
-                "sched CPU": 100 * sum(c for c, _ in self.cpu) / sum(w for _, w in self.cpu),
+                "sched CPU": round(100 * sum(c for c, _ in self.cpu) / sum(w for _, w in self.cpu), 1),
                 "attach": self.attach}
 
 
