@@ -20,10 +20,18 @@ from distributed import Client, LocalCluster
 import dask_monarch as dm
 from conftest import wait_until
 from dask_monarch.controller import sockets as controller_sockets
+from dask_monarch.protocol import frames
 from dask_monarch.worker.plugin import PLUGIN_NAME
 
 TIMEOUT = 60
 
+
+@pytest.fixture(autouse=True)
+def _a_link_per_rank():
+    """These tests are about each rank's own answer sockets: no host relay (``monarch.answer-tree``; the relays have
+    tests/test_tree.py)."""
+    with dask.config.set({"monarch.answer-tree": False}):
+        yield
 
 
 def _socket_threads(session_id: str) -> list:
@@ -88,10 +96,10 @@ def test_a_bad_config_value_is_refused_naming_the_key(client2):
 
 
 def test_sockets_that_cannot_be_opened_leave_the_comm_channel_and_the_worker_stops_waiting(client2, monkeypatch):
-    def refuse(offer, direction, ssl_context, timeout):
+    def refuse(offer, ssl_context, timeout):
         raise ConnectionRefusedError("refused by the test")
 
-    monkeypatch.setattr(controller_sockets, "_connect", refuse)
+    monkeypatch.setattr(controller_sockets, "connect_pair", refuse)
     with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
         session = mesh._session
         channels = session.channels
@@ -316,7 +324,7 @@ def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_soc
     """Issue 26 item 6: an idle connection and a wrong-token one to each offered port, opened before the controller
     connects (a port scanner), neither delay the controller's connections (the workers' ``TOKEN_TIMEOUT`` is raised
     to 60 s here: waiting for the idle one would take that long) nor cost the session its sockets."""
-    real = controller_sockets._connect
+    real = frames.connect  # each socket of the pair (``frames.connect_pair``)
     strays, times = [], []
 
     def stray_first(offer, direction, ssl_context, timeout):
@@ -332,7 +340,7 @@ def test_an_idle_connection_before_the_controllers_leaves_the_session_on_its_soc
         finally:
             times.append(time.monotonic() - start)
 
-    monkeypatch.setattr(controller_sockets, "_connect", stray_first)
+    monkeypatch.setattr(frames, "connect", stray_first)
     before = client2.run(_set_token_timeout, 60.0)
     try:
         with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:

@@ -95,10 +95,16 @@ def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
         warnings.simplefilter("ignore", sec_module.UnencryptedCommsWarning)
         with dm.attach(address, dims={"dp": 2}, security=security, comm_timeout=60) as mesh:
             channels = mesh._session.channels
-            assert all(link is not None for link in channels.links), channels.socket_reasons
-            for link in channels.links:
+            # each rank's own sockets, or its host's relay (``controller/tree.py``: both ranks share 127.0.0.1)
+            links = [channels.links[r] or channels.relays[r] for r in range(2)]
+            assert all(link is not None for link in links), channels.socket_reasons
+            for link in links:
                 assert isinstance(link.down, ssl.SSLSocket) and isinstance(link.up, ssl.SSLSocket)
                 assert link.down.version() is not None  # the handshake was made
+            if channels.relays[0] is not None:  # the relay's own sockets to each rank use TLS as well
+                leader = mesh.workers[channels.relays[0].rank]
+                tls_links = mesh.client.run(_relay_links_use_tls, mesh.session_id, workers=[leader])[leader]
+                assert tls_links == [True, True], tls_links
             with mesh.activate():
                 t = torch.arange(3.0) + mesh.rank("dp")
             assert dm.inspect(t, dp=1).tolist() == [1.0, 2.0, 3.0]
@@ -106,8 +112,19 @@ def test_the_answer_sockets_use_tls_on_a_tls_cluster(tls):
             with mesh.activate():  # 8 MiB: out of band (protocol/tensor_bytes.py), in 64 MiB slices over TLS
                 big = torch.arange(2**21, dtype=torch.int32) * (mesh.rank("dp") + 1)
             assert torch.equal(dm.inspect(big, dp=1), torch.arange(2**21, dtype=torch.int32) * 2)
-            assert channels.socket_chunks[0] > 0 and channels.socket_chunks[1] > 0
+            assert all(channels.socket_chunks[r] > 0 or channels.host_chunks[link.rank] > 0
+                       for r, link in enumerate(links))
             assert channels.comm_chunks == [0, 0]
+
+
+def _relay_links_use_tls(session_id: str, dask_worker=None) -> list:
+    """Whether each of the host relay's sockets to its ranks is a TLS socket that made its handshake (``Client.run``
+    on the leader)."""
+    import ssl
+
+    relay = dask_worker.plugins["dask-monarch"].relays[session_id]
+    return [isinstance(link.down, ssl.SSLSocket) and link.down.version() is not None
+            for _, link in sorted(relay.links.items())]
 
 
 def _docs_cluster_commands(scheduler_port: int, dashboard_port: int) -> list[list[str]]:

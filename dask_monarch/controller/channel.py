@@ -34,6 +34,7 @@ from distributed.comm import connect
 
 from ..worker.channel import CHANNEL_OP
 from .sockets import SocketLink
+from .tree import start_relays
 
 __all__ = ["Channels", "MODES"]
 
@@ -51,7 +52,7 @@ class Channels:
     returns; ``close()`` closes them. ``socket_chunks`` / ``comm_chunks``: per rank, the answer chunks that came on
     its sockets / its comm."""
 
-    def __init__(self, session, mode: str = "socket"):
+    def __init__(self, session, mode: str = "socket", tree: bool = True):
         if mode not in MODES:
             raise ValueError(f"answer channel mode must be one of {MODES}, got {mode!r}")
         self.session = session
@@ -59,6 +60,11 @@ class Channels:
         self.mode = mode
         self.comms: list = [None] * session.world_size  # each rank's open comm, or None
         self.links: list = [None] * session.world_size  # each rank's SocketLink, or None
+        #: with ``tree``: each rank's ``HostLink`` (``tree.py``) when its host's relay carries its batches and answers
+        self.relays: list = [None] * session.world_size
+        self.tree = tree and mode == "socket"
+        #: per leader rank: the answer chunks its host's relay sent (one per fetch, for the whole host)
+        self.host_chunks = [0] * session.world_size
         self._made: list = []  # every SocketLink made, lost ones included: joined at close
         self._offers: list = [None] * session.world_size  # what each worker offered in the handshake
         #: rank -> why it has no channel (not opened, or lost)
@@ -93,6 +99,14 @@ class Channels:
         """Connect the answer sockets each worker offered, every rank at once (each within ``timeout`` seconds)."""
         ssl_context = self.client.connection_args.get("ssl_context")
         ranks = [rank for rank in range(len(self.comms)) if self.comms[rank] is not None]
+        if self.tree:
+            offers = {r: self._offers[r] for r in ranks if self._offers[r] is not None and "refused" not in
+                      self._offers[r] and self._offers[r]["tls"] == (ssl_context is not None)}
+            failed = start_relays(self, offers, ssl_context, timeout)
+            if failed:
+                logger.warning("dask_monarch: session %s: no relay for %s; those ranks use their own answer sockets",
+                               self.session._key, "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
+            ranks = [rank for rank in ranks if self.relays[rank] is None]
         with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(ranks)))) as pool:
             for rank, why in zip(ranks, pool.map(lambda r: self._connect_rank(r, ssl_context, timeout), ranks)):
                 if why is None:
@@ -154,7 +168,10 @@ class Channels:
         """Write batch ``batch`` on rank ``rank``'s channel (from any thread; the event loop writes it). False if
         the rank has no channel. On the rank's answer sockets the batch is written here and now (``SocketLink``);
         else the batches sent before the event loop gets to them are written on one wake-up of the loop, in the
-        order sent."""
+        order sent. A rank behind a host's relay: on the relay's sockets (``HostLink``)."""
+        host = self.relays[rank]
+        if host is not None:
+            return host.send([(rank, batch, list(range(len(segments))))], segments)
         link = self.links[rank]
         if link is not None and link.send(batch, segments):
             return True
@@ -246,6 +263,7 @@ class Channels:
         with no wait."""
         self._closing = True
         self.links = [None] * len(self.links)
+        self.relays = [None] * len(self.relays)
         for link in self._made:
             link.close()
         comms, self.comms = self.comms, [None] * len(self.comms)

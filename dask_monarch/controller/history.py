@@ -82,6 +82,9 @@ class History:
         if seq <= self.first_incomplete[rank]:
             return False
         self.first_incomplete[rank] = seq
+        return self._advance()
+
+    def _advance(self) -> bool:
         low = min(self.first_incomplete)
         if low <= self.completed:
             return False
@@ -92,6 +95,15 @@ class History:
         self._producer = {r: s for r, s in self._producer.items() if s >= low}
         self.completed = low
         return True
+
+    def status_many(self, ranks, seq: int) -> bool:
+        """Every rank of ``ranks`` has completed every seq below ``seq`` (a host's relay answered for them).
+        Returns True if the global minimum advanced."""
+        first = self.first_incomplete
+        for rank in ranks:
+            if seq > first[rank]:
+                first[rank] = seq
+        return self._advance()
 
     def drop_ref(self, ref: int) -> None:
         """The controller deleted ``ref``."""

@@ -207,7 +207,8 @@ class Session(Transport, Bookkeeping, Liveness):
             #: callables run once when the session stops (layers above the session release what they keep for it)
             self.on_stop: list = []
             if answer_channel:
-                self.channels = Channels(self, answer_channel)
+                tree = bool(dask.config.get("monarch.answer-tree", True))
+                self.channels = Channels(self, answer_channel, tree=tree)
                 self.channels.open(self.CHANNEL_TIMEOUT)
                 if self.channels.reasons:
                     logger.warning("dask_monarch: session %s: no answer channel to %s; their answers come back as "

@@ -25,32 +25,13 @@ what was not acknowledged).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 
-from ..protocol.frames import ACCEPTED, DOWN, UP, receivable, recv_exact, recv_frame, send_frame, shutdown
+from ..protocol.frames import connect_pair, receivable, recv_frame, send_frame, shutdown
 
 __all__ = ["SocketLink"]
 
 logger = logging.getLogger("dask_monarch.controller")
-
-
-def _connect(offer: dict, direction: bytes, ssl_context, timeout: float) -> socket.socket:
-    """One socket to the worker's offer, the token presented and accepted, within ``timeout`` seconds."""
-    raw = socket.create_connection((offer["host"], offer["port"]), timeout=timeout)
-    sock = raw
-    try:
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(raw, server_hostname=offer["host"])
-        sock.sendall(offer["token"] + direction)
-        if bytes(recv_exact(sock, 1)) != ACCEPTED:
-            raise ConnectionRefusedError("the worker refused the token")
-        sock.settimeout(None)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
 
 
 class SocketLink:
@@ -66,12 +47,7 @@ class SocketLink:
     def __init__(self, channels, rank: int, offer: dict, ssl_context, timeout: float):
         self.channels = channels
         self.rank = rank
-        self.down = _connect(offer, DOWN, ssl_context, timeout)
-        try:
-            self.up = _connect(offer, UP, ssl_context, timeout)
-        except BaseException:
-            self.down.close()
-            raise
+        self.down, self.up = connect_pair(offer, ssl_context, timeout)
         self.lost: BaseException | None = None
         self.limit = receivable()  # the most bytes one answer frame may declare
         self._lock = threading.Lock()  # writes on the down socket, and the pending acknowledgements
@@ -100,19 +76,21 @@ class SocketLink:
         return False
 
     # ------------------------------------------------------------------------------------------------ answers
+    def _apply(self, blob: bytes) -> None:
+        """Apply one answer chunk's data (on the reader)."""
+        self.channels.socket_chunks[self.rank] += 1
+        self.channels.session._on_chunk(self.rank, blob)
+
     def _read(self) -> None:
         rank, up, channels = self.rank, self.up, self.channels
-        session = channels.session
-        counts = channels.socket_chunks
         try:
             while True:
                 msg = recv_frame(up, self.limit, self._idle)
                 if "x" in msg:
                     channels.ended.add(rank)
                     continue
-                counts[rank] += 1
                 try:
-                    session._on_chunk(rank, msg["d"])
+                    self._apply(msg["d"])
                 except Exception:  # a bug here must not end the link: later answers still count
                     logger.exception("dask_monarch: could not apply an answer of rank %d", rank)
                 with self._lock:
@@ -149,6 +127,10 @@ class SocketLink:
             self.lost = error.with_traceback(None)  # kept: its frames would keep the session (a cycle)
         shutdown(self.down)
         shutdown(self.up)
+        self._gone(error)
+
+    def _gone(self, error: BaseException) -> None:
+        """The link broke (``_lose``): the comm channel takes over (``Channels._socket_lost``)."""
         self.channels._socket_lost(self.rank, self, error)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -178,6 +178,8 @@ class Transport:
             for r in targets:
                 per_rank[r].append(segment)
         channels = self.channels
+        relays = channels.relays if channels is not None and channels.tree else None
+        hosts: dict = {}  # HostLink -> ([(rank, batch, [segment index])], [segment], {id(segment): index})
         for rank, blobs in enumerate(per_rank):
             if not blobs:
                 continue
@@ -185,12 +187,41 @@ class Transport:
             self._batch_seq[rank] = bseq + 1
             sync = None if sync_seq is None else (sync_seq, "exit" if exit_after else kind, tasks)
             self._later[rank].append((bseq, blobs, sync))
+            host = relays[rank] if relays is not None else None
+            if host is not None:  # one frame per host, each segment once (tree.py)
+                entries, segs, index = hosts.get(host) or hosts.setdefault(host, ([], [], {}))
+                idx = []
+                for blob in blobs:
+                    i = index.get(id(blob))
+                    if i is None:
+                        i = index[id(blob)] = len(segs)
+                        segs.append(blob)
+                    idx.append(i)
+                entries.append((rank, bseq, idx))
+                continue
             if channels is not None and channels.send(rank, bseq, blobs) and not exit_after:
-                if self._later_due is None:  # the flusher submits the tasks then
-                    self._later_due = time.monotonic() + self.task_interval
-                    self._wake.set()
+                self._tasks_later()
                 continue
             self._submit(rank)
+        for host, (entries, segs, _) in hosts.items():
+            if host.send(entries, segs) and not exit_after:
+                self._tasks_later()
+                continue
+            for rank, _, _ in entries:
+                self._submit(rank)
+
+    def _tasks_later(self) -> None:
+        """The batches just sent on channels travel as Dask tasks later (``task_period``): the flusher submits them."""
+        if self._later_due is None:
+            self._later_due = time.monotonic() + self.task_period
+            self._wake.set()
+
+    @property
+    def task_period(self) -> float:
+        """Seconds a batch sent on a channel waits for its Dask task: ``task_interval`` times the number of ranks,
+        so that the scheduler gets about one such task per ``task_interval`` whatever the mesh's size (issue 23
+        item 3: the tasks are the dashboard's copy; the channels carry the batches and the answers)."""
+        return self.task_interval * self.world_size
 
     def _submit(self, rank: int):
         """Submit the batches of ``rank`` not yet sent as a task (``_later``) as one pinned task; returns its future."""
@@ -393,6 +424,19 @@ class Transport:
             for msg in messages:
                 self._handle(rank, msg, note)
 
+    def _advanced(self) -> None:
+        """Every rank has passed ``history.completed``: resolve the waits below it. Under the session lock."""
+        low = self.history.completed
+        ready = [w for w in self._waiters if w[0] < low]
+        self._waiters = [w for w in self._waiters if w[0] >= low]
+        for _, future, on_done in sorted(ready, key=lambda w: w[0]):
+            try:
+                future._set(on_done() if on_done is not None else None)
+            except BaseException as e:
+                future._set(error=e)
+        for s in [s for s in self.functions if s < low]:
+            del self.functions[s]
+
     def _unwrap(self, rank: int, msg: FetchResult) -> FetchResult:
         """A fetched value travels pickled on its own (``PickledValue``): unpickle it here, so that a value the
         controller cannot load (its class's module is only on the workers) becomes that fetch's error."""
@@ -412,16 +456,7 @@ class Transport:
         kind = type(msg)
         if kind is Status:
             if self.history.status(rank, msg.seq):
-                low = self.history.completed
-                ready = [w for w in self._waiters if w[0] < low]
-                self._waiters = [w for w in self._waiters if w[0] >= low]
-                for _, future, on_done in sorted(ready, key=lambda w: w[0]):
-                    try:
-                        future._set(on_done() if on_done is not None else None)
-                    except BaseException as e:
-                        future._set(error=e)
-                for s in [s for s in self.functions if s < low]:
-                    del self.functions[s]
+                self._advanced()
         elif kind is RemoteFunctionFailed:
             what = self.functions.get(msg.seq, "")
             if msg.controller_frame_index is not None and hasattr(what, "operation"):  # a compiled call's operation

@@ -25,8 +25,8 @@ import socket
 import struct
 import time
 
-__all__ = ["ACCEPTED", "CHUNK", "DOWN", "UP", "TOKEN_BYTES", "FrameTooLarge", "receivable", "recv_exact",
-           "recv_frame", "send_frame", "shutdown"]
+__all__ = ["ACCEPTED", "CHUNK", "DOWN", "UP", "TOKEN_BYTES", "FrameTooLarge", "connect", "connect_pair", "receivable",
+           "recv_exact", "recv_frame", "send_frame", "shutdown"]
 
 HEADER = struct.Struct("<QI")
 LENGTH = struct.Struct("<Q")
@@ -128,3 +128,34 @@ def shutdown(sock: socket.socket | None) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def connect(offer: dict, direction: bytes, ssl_context, timeout: float) -> socket.socket:
+    """One socket to a worker's offer (``{"host", "port", "token", "tls"}``), the token presented and accepted,
+    within ``timeout`` seconds; ``direction`` is ``DOWN`` or ``UP``. Used by the controller (``controller/sockets.py``)
+    and by a host's relay (``worker/relay.py``). Raises ``OSError``, ``ssl.SSLError``, ``EOFError``, or
+    ``ConnectionRefusedError`` if the worker refused the token."""
+    raw = socket.create_connection((offer["host"], offer["port"]), timeout=timeout)
+    sock = raw
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(raw, server_hostname=offer["host"])
+        sock.sendall(offer["token"] + direction)
+        if bytes(recv_exact(sock, 1)) != ACCEPTED:
+            raise ConnectionRefusedError("the worker refused the token")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def connect_pair(offer: dict, ssl_context, timeout: float) -> tuple[socket.socket, socket.socket]:
+    """The ``(down, up)`` sockets to a worker's offer (``connect`` twice); nothing left open if either fails."""
+    down = connect(offer, DOWN, ssl_context, timeout)
+    try:
+        return down, connect(offer, UP, ssl_context, timeout)
+    except BaseException:
+        down.close()
+        raise

@@ -68,6 +68,8 @@ class Outbox:
         self._channel = None
         self._scheduled = False  # a push is on its way to the event loop
         self._resend = False  # the channel attached last has not yet pushed the retained chunks
+        #: a host's relay (``worker/relay.py``) carries the answers: tasks return none (they would overtake it)
+        self.relayed = False
 
     def __len__(self) -> int:
         return len(self._messages)
@@ -138,7 +140,8 @@ class Outbox:
                 chunks = sorted(self._retained.items())
             taken = self._take()
             if taken is not None:
-                self._retained[taken[0]] = taken[1]
+                if not self.relayed:  # a relay is acknowledged by nobody: losing it fails the session instead
+                    self._retained[taken[0]] = taken[1]
                 chunks.append(taken)
             self._cond.notify_all()  # a task waiting for the pushes under way: this one is done
             return chunks
@@ -159,8 +162,11 @@ class Outbox:
     def for_task(self, settle: float) -> list:
         """The chunks a ``sync_batch`` task returns: after waiting up to ``settle`` seconds for the channel's pushes
         under way to be acknowledged (if a channel is attached), the chunks still unacknowledged and then the rest
-        of the outbox as a new chunk (any of them may be empty)."""
+        of the outbox as a new chunk (any of them may be empty); nothing when a host's relay carries the answers
+        (the relay is their only way: the controller fails the session if it is lost)."""
         with self._cond:
+            if self.relayed:
+                return []
             if self._channel is not None:
                 self._cond.wait_for(lambda: self._channel is None or not (self._scheduled or self._retained), settle)
             blobs = [self._retained.pop(k) for k in sorted(self._retained)]

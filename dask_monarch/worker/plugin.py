@@ -16,6 +16,7 @@ the channel meanwhile:
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import threading
 
@@ -24,10 +25,12 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
+from ..protocol.frames import receivable
 from ..protocol.session_id import session_tag
 from . import activity, debugger, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
+from .relay import RELAY_OP, HostRelay
 from .tensor_worker import SessionParams, TensorWorker
 
 __all__ = ["MonarchWorkerPlugin", "PLUGIN_NAME", "METRICS_KEY", "deliver_batch", "deliver_batches", "sync_batch",
@@ -61,8 +64,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.sessions: dict[str, TensorWorker] = {}
         self.closed: dict[str, str | None] = {}  # ended session -> its failure text, or None
         self._lock = threading.Lock()
+        self.relays: dict[str, HostRelay] = {}  # session -> this host's relay, on its leader
         worker.stream_handlers[END_SESSION_OP] = self.end_session
         worker.handlers[CHANNEL_OP] = self.channel
+        worker.handlers[RELAY_OP] = self.relay
         worker.metrics[METRICS_KEY] = self.metrics
         prometheus.register(self)
         debugger.install()  # breakpoint() in a remote function: pdb on the rank, driven from the controller
@@ -75,6 +80,34 @@ class MonarchWorkerPlugin(WorkerPlugin):
         """Handler ``monarch_channel``: serve a session's answer channel on ``comm``, and with ``sockets`` offer its
         answer sockets (``worker/channel.py``, ``worker/sockets.py``)."""
         await serve(self, comm, params, sockets)
+
+    async def relay(self, comm, params: bytes, offers: bytes) -> None:
+        """Handler ``monarch_relay``: start this host's relay of a session on its leader (``worker/relay.py``),
+        connected to the answer sockets ``offers`` (pickled ``{rank: offer}``) of the host's ranks, and answer
+        ``{"ready": offer}`` (the relay's own sockets) or ``{"refused": why}``."""
+        params, offers = pickle.loads(params), pickle.loads(offers)
+        session_id, rank = params[0], params[1]
+        worker = self.worker
+        try:
+            if self.tensor_worker(params) is None:
+                raise RuntimeError(f"session {session_id} already ended on this worker")
+            host = offers[min(offers)]["host"]
+            listen = worker.security.get_listen_args("worker").get("ssl_context")
+            connect = worker.security.get_connection_args("worker").get("ssl_context")
+            limit = receivable(worker.memory_manager.memory_limit)
+            relay = await asyncio.to_thread(HostRelay, session_id, rank, offers, host, listen, connect, limit)
+        except Exception as e:
+            await comm.write({"refused": f"{type(e).__name__}: {e}"})
+            return
+        old = self.relays.pop(session_id, None)
+        if old is not None:
+            old.close()
+        if session_id not in self.sessions:  # it ended meanwhile
+            relay.close()
+            await comm.write({"refused": f"session {session_id} ended on this worker meanwhile"})
+            return
+        self.relays[session_id] = relay
+        await comm.write({"ready": relay.offer})
 
     def end_session(self, session_id: str, reason: str, owner_left: bool = False) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
@@ -102,6 +135,8 @@ class MonarchWorkerPlugin(WorkerPlugin):
         if worker.metrics.get(METRICS_KEY) == self.metrics:
             del worker.metrics[METRICS_KEY]
         prometheus.unregister(self)
+        for relay in list(self.relays.values()):
+            relay.close()
         for tw in list(self.sessions.values()):
             tw.fail("the Dask worker is shutting down")
             tw.close(join_timeout=1.0)
@@ -142,6 +177,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
             return tw
 
     def _forget(self, session_id: str, failure: str | None = None) -> None:
+        self.relays.pop(session_id, None)  # it ends by itself once every rank of the host has ended (relay.py)
         with self._lock:
             removed = self.sessions.pop(session_id, None) is not None
             self.closed[session_id] = failure

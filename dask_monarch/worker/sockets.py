@@ -95,6 +95,8 @@ class SocketEnd:
                 msg = recv_frame(down, limit)
                 if "b" in msg:
                     inbox.put(msg["b"], msg["s"])
+                elif "r" in msg:  # a host's relay connected (``worker/relay.py``): answers go through it alone
+                    outbox.relayed = True
                 for chunk in msg.get("a", ()):
                     outbox.acked(chunk)
                 msg = None  # a batch's arguments are the inbox's now: not kept here until the next batch

@@ -1,0 +1,168 @@
+"""How the controller's costs grow with the mesh (issue 23 item 7): for each rank count N, a stock CLI cluster
+(``dask scheduler``, ``dask worker --nworkers N --nthreads 1``, loopback only) and the public API only:
+
+* ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms);
+* ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
+  the sync after it not counted);
+* ``sched CPU``: the scheduler process's CPU time during the op loops over their wall time, in % (``psutil``);
+* ``attach``: seconds of ``dm.attach(client, dims={"dp": N})`` on warm workers (the first attach, which imports
+  dask_monarch and torch on every worker, is printed on its own).
+
+One cluster of the largest N workers; a mesh of N ranks is attached on its first N workers, all meshes at once,
+and they are measured in turn, round by round, so that each sees the same load (a shared 2-core machine's load
+changes by the minute). Each figure is printed with its ratio against the smallest mesh's of the same setting.
+``--answer-tree both`` measures the host relays off and on side by side (Dask config ``monarch.answer-tree``).
+
+Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
+[--answer-tree on|off|both]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import dask
+import psutil
+import torch
+from distributed import Client
+
+import dask_monarch as dm
+
+
+def _dask() -> list[str]:
+    exe = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
+    return [exe] if exe else [sys.executable, "-m", "dask"]  # the same CLI (its dask_cli entry points)
+
+
+class CliCluster:
+    """``dask scheduler`` and ``dask worker --nworkers n --nthreads 1`` on 127.0.0.1, stopped on exit."""
+
+    def __init__(self, n: int):
+        self.dir = tempfile.mkdtemp(prefix="monarch-scale-")
+        file = os.path.join(self.dir, "scheduler.json")
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.scheduler = subprocess.Popen(_dask() + ["scheduler", "--host", "127.0.0.1", "--port", "0",
+                                                      "--dashboard-address", ":0", "--scheduler-file", file], **quiet)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(file):
+            if time.monotonic() > deadline or self.scheduler.poll() is not None:
+                raise RuntimeError("dask scheduler did not start within 60 s")
+            time.sleep(0.1)
+        time.sleep(0.2)
+        self.workers = subprocess.Popen(_dask() + ["worker", "--scheduler-file", file, "--nworkers", str(n),
+                                                    "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+                                        **quiet)
+        self.client = Client(scheduler_file=file, set_as_default=False)
+        self.client.wait_for_workers(n, timeout=180)
+
+    def close(self) -> None:
+        self.client.close()
+        for proc in (self.workers, self.scheduler):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            except Exception:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except Exception:
+                    pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Case:
+    """One mesh of ``n`` ranks (the first ``n`` workers) with ``monarch.answer-tree`` ``tree``, and its samples."""
+
+    def __init__(self, client, n: int, tree: bool):
+        self.n, self.tree = n, tree
+        with dask.config.set({"monarch.answer-tree": tree}):
+            start = time.perf_counter()
+            self.mesh = dm.attach(client, dims={"dp": n})
+            self.attach = time.perf_counter() - start
+        with self.mesh.activate():
+            self.x = torch.arange(4.0) + 1
+            for _ in range(200):
+                y = self.x + self.x
+        for _ in range(30):
+            dm.inspect(y)
+        self.fetches: list = []
+        self.ops: list = []
+        self.cpu: list = []
+
+    def round(self, fetches: int, ops: int, scheduler: psutil.Process) -> None:
+        x = self.x
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            dm.inspect(x)
+            self.fetches.append(time.perf_counter() - t0)
+        with self.mesh.activate():
+            cpu = scheduler.cpu_times()
+            t0 = time.perf_counter()
+            for _ in range(ops):
+                y = x + x
+            wall = time.perf_counter() - t0
+            after = scheduler.cpu_times()
+        self.ops.append(wall / ops)
+        self.cpu.append((after.user + after.system - cpu.user - cpu.system, wall))
+        dm.inspect(y)
+
+    def figures(self) -> dict:
+        times = sorted(self.fetches)
+        return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
+                "op": statistics.median(self.ops) * 1e6,
+                "sched CPU": round(100 * sum(c for c, _ in self.cpu) / sum(w for _, w in self.cpu), 1),
+                "attach": self.attach}
+
+
+UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "sched CPU": "%", "attach": "s"}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated rank counts (default 1,2,4,8)")
+    parser.add_argument("--fetches", type=int, default=300, help="timed fetches per mesh (default 300)")
+    parser.add_argument("--ops", type=int, default=10000, help="timed eager ops per mesh (default 10000)")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
+    parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
+                        help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
+    args = parser.parse_args(argv)
+    counts = [int(v) for v in args.ranks.split(",")]
+    settings = {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
+    cluster = CliCluster(max(counts))
+    cases = []
+    try:
+        scheduler = psutil.Process(cluster.scheduler.pid)
+        start = time.perf_counter()
+        dm.attach(cluster.client, dims={"dp": max(counts)}).exit()  # the workers' first session (imports, plugin)
+        cold = time.perf_counter() - start
+        print(f"first attach of {max(counts)} ranks (cold workers): {cold:.1f} s", flush=True)
+        cases = [Case(cluster.client, n, tree) for n in counts for tree in settings]
+        for _ in range(args.rounds):  # every mesh in turn, round by round: the same load for each
+            for case in cases:
+                case.round(max(1, args.fetches // args.rounds), max(1, args.ops // args.rounds), scheduler)
+        rows = {(c.n, c.tree): c.figures() for c in cases}
+    finally:
+        for case in cases:
+            case.mesh.exit()
+        cluster.close()
+    print(f"\nbench/scale.py ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
+          f"{args.ops} ops per mesh in {args.rounds} rounds, the meshes in turn on one cluster of {max(counts)} "
+          f"workers; ratios against the {counts[0]}-rank mesh of the same setting)")
+    for tree in settings:
+        print(f"\nmonarch.answer-tree: {str(tree).lower()}")
+        print(f"{'ranks':>5}" + "".join(f"{k + ' (' + UNITS[k] + ')':>22}" for k in UNITS))
+        for n in counts:
+            row, base = rows[n, tree], rows[counts[0], tree]
+            cells = [f"{row[k]:.3g} ({row[k] / base[k]:.2f}x)" if base[k] else f"{row[k]:.3g}" for k in UNITS]
+            print(f"{n:>5}" + "".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""``HostRelay``: the host leader's relay of one session, the fan-out and fan-in tree (issue 23 items 1 and 2;
+DESIGN.md "Performance design": a message for a mesh leaves the controller once per host and answers are
+accumulated on the way back, as Monarch's multicast tree and accumulating reducers do; ``controller/tree.py`` is
+the controller's end, ``worker/sockets.py`` each rank's).
+
+Per host (the host part of the worker address) the session's lowest rank there is its *leader*. The controller
+opens every rank's answer channel as before, and each rank offers its answer sockets; for a host of several ranks
+the controller does not connect them itself but hands the offers to the leader's worker (Dask comm handler
+``monarch_relay``, with the client's ``Security``). The leader's ``HostRelay`` connects to each rank's sockets of
+its host (its own rank's included) exactly as a controller would, tells each rank that its answers now go through
+a relay (``{"r": True}``: the rank's ``sync_batch`` tasks then return no answers, which would overtake the
+relay's), and offers the controller one pair of sockets of its own (a ``SocketEnd`` whose inbox and outbox are the
+relay's):
+
+* down (controller -> relay): ``{"b": [(rank, batch, [segment index, ...]), ...], "s": [segment, ...]}``, every
+  rank's batch of one flush with each segment once; the relay writes each rank's batch on that rank's down socket,
+  in the order given, so each rank's order is the controller's;
+* up (relay -> controller): numbered chunks whose data is a pickled list of entries, in arrival order:
+  ``("c", rank, chunk)`` a rank's answer chunk as the rank pickled it (anything but ``Status`` alone),
+  ``("s", seq)`` every rank of the host has passed ``seq`` (the minimum of their ``Status``), ``("x", rank)`` the
+  session ended on that rank, ``("l", rank, why)`` that rank's sockets broke.
+
+A chunk of ``Status`` alone is absorbed here; one of ``Status`` and ``FetchResult`` waits for the next ``("s",
+seq)``, so that a fetch costs the controller one answer per host; anything else (a failure) goes at once, with
+what waited before it. Nothing is acknowledged: a relayed rank's outbox keeps no chunk (``Outbox.push``), since
+the relay is the only way its answers travel and the controller fails the session when the relay's sockets break
+(its worker died), naming the leader's worker, instead of looking elsewhere for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+
+from ..protocol import FetchResult, Status, tensor_bytes
+from ..protocol.frames import connect_pair, recv_frame, send_frame, shutdown
+from ..protocol.session_id import session_tag
+from .sockets import SEND_TIMEOUT, SocketEnd
+
+__all__ = ["HostRelay", "RELAY_OP"]
+
+logger = logging.getLogger("dask_monarch.worker")
+
+#: the handler's name in ``Worker.handlers``
+RELAY_OP = "monarch_relay"
+#: seconds to connect to a local rank's answer sockets
+CONNECT_TIMEOUT = 10.0
+_HELD = (Status, FetchResult)
+
+
+class _RankLink:
+    """The relay's connection to one local rank's answer sockets (the controller's end, ``controller/sockets.py``)."""
+
+    def __init__(self, relay, rank: int, offer: dict, ssl_context):
+        self.relay = relay
+        self.rank = rank
+        self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
+        self.lock = threading.Lock()  # writes on the down socket
+        self.ended = False
+        self.send({"r": True})  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
+        self.thread = threading.Thread(target=self._read, daemon=True,
+                                       name=f"monarch-{relay.tag}-relay-r{rank}")
+
+    def send(self, msg: dict) -> None:
+        with self.lock:
+            send_frame(self.down, msg, SEND_TIMEOUT)
+
+    def _read(self) -> None:
+        relay, rank = self.relay, self.rank
+        why = None
+        try:
+            while True:
+                msg = recv_frame(self.up, relay.limit)
+                if "x" in msg:
+                    self.ended = True
+                    relay.ended(rank)
+                    continue
+                relay.chunk(rank, msg["d"])  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
+                msg = None  # a fetched tensor is the controller's: not kept here until the next answer
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            shutdown(self.down)
+            with self.lock:  # no forward is writing on it meanwhile
+                self.down.close()
+            self.up.close()
+            if not self.ended:
+                relay.lost(rank, why)
+            relay.link_done()
+
+    def close(self) -> None:
+        shutdown(self.down)
+        shutdown(self.up)
+
+
+class _RelayInbox:
+    """What the controller's down socket delivers to (``SocketEnd`` calls ``put``): one flush's batches."""
+
+    def __init__(self, relay):
+        self.relay = relay
+
+    def put(self, batches, segments) -> None:
+        self.relay.forward(batches, segments)
+
+
+class _RelayOutbox:
+    """What the relay's ``SocketEnd`` pushes to the controller: numbered chunks of entries (the module's docstring).
+    Duck-types ``worker/outbox.py``'s channel interface (``attach``, ``detach``, ``push``, ``stale``, ``acked``)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: list = []
+        self._next = 0
+        self._channel = None
+        self._early = False  # entries came before the controller connected
+
+    def put(self, entries: list) -> None:
+        with self._lock:
+            self._entries.extend(entries)
+            channel = self._channel
+            if channel is None:
+                self._early = True
+                return
+        channel.wake()
+
+    def attach(self, channel) -> None:
+        with self._lock:
+            self._channel = channel
+            early = self._early
+        if early:
+            channel.wake()
+
+    def detach(self, channel) -> None:
+        with self._lock:
+            if self._channel is channel:
+                self._channel = None
+
+    def push(self) -> list:
+        with self._lock:
+            if not self._entries:
+                return []
+            entries, self._entries = self._entries, []
+            chunk = self._next
+            self._next += 1
+        # a fetched tensor's memory travels out of band (``frames.send_frame``), as from the rank itself
+        return [(chunk, tensor_bytes.dumps(entries))]
+
+    def stale(self, channel, closed: bool = False) -> None:
+        pass
+
+    def acked(self, chunk: int) -> None:
+        pass  # nothing is pushed again: a lost relay fails the session at the controller
+
+
+class HostRelay:
+    """The relay of session ``session_id`` on this host's leader (rank ``leader``): ``offers`` is ``{rank: offer}``
+    of the host's ranks' answer sockets (``worker/sockets.py``), ``host`` where to listen for the controller,
+    ``ssl_context`` the worker's listening context and ``client_ssl`` its connecting one (TLS when the cluster uses
+    it), ``limit`` the most bytes a frame may declare. ``offer`` is what the controller connects to; ``close()``
+    ends it (any thread); it ends by itself once every rank's sockets have closed (the session ended on each rank:
+    their ``("x", rank)`` went first) or the controller's broke. Raises ``OSError`` if a rank's sockets cannot be
+    connected."""
+
+    def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl, limit: int):
+        self.session_id = session_id
+        self.limit = limit  # the most bytes a frame may declare (``frames.receivable``)
+        self.tag = session_tag(session_id)
+        self.leader = leader
+        self._lock = threading.Lock()
+        self._passed = {rank: 0 for rank in offers}  # each rank's last Status seq
+        self._low = 0  # the last ("s", seq) sent
+        self._held: list = []  # entries waiting for the next ("s", seq)
+        self._closed = False
+        self._open_links = len(offers)
+        self.outbox = _RelayOutbox()
+        self.links: dict[int, _RankLink] = {}
+        try:
+            for rank in sorted(offers):
+                self.links[rank] = _RankLink(self, rank, offers[rank], client_ssl)
+            self.end = SocketEnd(session_id, leader, _RelayInbox(self), self.outbox, host, ssl_context,
+                                 self._controller_lost, limit)
+        except BaseException:
+            for link in self.links.values():
+                link.close()
+            raise
+        self.offer = self.end.offer
+        for link in self.links.values():
+            link.thread.start()
+        self.end.attach()
+
+    # ------------------------------------------------------------------------------------------------ fan-out
+    def forward(self, batches, segments) -> None:
+        """Write each rank's batch of one flush on its down socket, in the order given (on the down reader)."""
+        for rank, batch, indices in batches:
+            link = self.links.get(rank)
+            if link is None:
+                continue
+            try:
+                link.send({"b": batch, "s": [segments[i] for i in indices]})
+            except OSError as e:
+                logger.debug("dask_monarch: relay %s: rank %d's socket broke: %s", self.tag, rank, e)
+                link.close()  # its reader reports it
+
+    # ------------------------------------------------------------------------------------------------- fan-in
+    def chunk(self, rank: int, blob: bytes) -> None:
+        """An answer chunk of ``rank`` (on its link's reader): absorbed, held or sent (the module's docstring)."""
+        try:
+            _, messages = blob if type(blob) is tuple else pickle.loads(blob)  # a tuple: it had out-of-band tensors
+            kinds = {type(m) for m in messages}
+            seqs = [m.seq for m in messages if type(m) is Status]
+        except Exception:  # a value whose class the relay cannot load: the controller reads it as before
+            kinds, seqs = {None}, []
+        out = None
+        with self._lock:
+            if kinds - {Status}:
+                self._held.append(("c", rank, blob))
+            if seqs:
+                self._passed[rank] = max(self._passed[rank], max(seqs))
+            low = min(self._passed.values())
+            if low > self._low:
+                self._low = low
+                self._held.append(("s", low))
+                out, self._held = self._held, []
+            elif kinds - set(_HELD):
+                out, self._held = self._held, []
+        if out:
+            self.outbox.put(out)
+
+    def ended(self, rank: int) -> None:
+        self._now(("x", rank))
+
+    def lost(self, rank: int, why: str | None) -> None:
+        if not self._closed:
+            self._now(("l", rank, why or "closed"))
+
+    def _now(self, entry) -> None:
+        with self._lock:
+            out, self._held = self._held + [entry], []
+        self.outbox.put(out)
+
+    # --------------------------------------------------------------------------------------------------- end
+    def link_done(self) -> None:
+        """A rank's link ended (on its reader, after its last entry was sent): the relay ends with the last one."""
+        with self._lock:
+            self._open_links -= 1
+            last = self._open_links == 0
+        if last:
+            self.close()
+
+    def _controller_lost(self, error) -> None:
+        """The controller's sockets broke: the ranks' sockets close too (they fall back to their comm channels)."""
+        logger.debug("dask_monarch: relay %s: the controller's sockets closed: %s", self.tag, error)
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.end.close()
+        for link in self.links.values():
+            link.close()
+

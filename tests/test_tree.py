@@ -1,0 +1,94 @@
+"""The fan-out and fan-in tree (issue 23 items 1 and 2; ``controller/tree.py``, ``worker/relay.py``): on a host of
+several ranks, the controller keeps one link to the host leader's relay; a fetch costs the controller one answer
+per host, not one per rank; a failure on a rank that is not the leader reaches the controller once, naming that
+rank, its worker and the remote traceback; a killed leader fails the session naming its worker, within the
+heartbeat bound. All ranks of a LocalCluster share one host (127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import dask
+import pytest
+import torch
+from distributed import Client, LocalCluster
+
+import dask_monarch as dm
+from dask_monarch.protocol import RemoteFunctionFailed
+from test_remote_functions import bogus
+
+TIMEOUT = 60
+
+
+def test_a_fetch_costs_the_controller_one_answer_per_host(client4):
+    with dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=60) as mesh:
+        channels = mesh._session.channels
+        link = channels.relays[0]
+        assert link is not None and channels.relays == [link] * 4 and link.ranks == [0, 1, 2, 3]
+        assert channels.links == [None] * 4  # no rank has sockets of its own
+        with mesh.activate():
+            x = mesh.rank(mesh.names) * 10 + torch.arange(4.0)  # a value per rank: each rank got its own batches
+        assert dm.inspect(x, host=1, gpu=1).tolist() == [30.0, 31.0, 32.0, 33.0]
+        before = list(channels.host_chunks)
+        n = 20
+        for i in range(n):
+            assert dm.inspect(x, host=i % 2, gpu=0).tolist() == [20.0 * (i % 2) + k for k in range(4)]
+        assert channels.host_chunks[0] - before[0] == n  # one answer per fetch for the host's four ranks
+        assert channels.host_chunks[1:] == before[1:] == [0, 0, 0]
+        assert channels.socket_chunks == [0] * 4 and channels.comm_chunks == [0] * 4
+        with mesh.activate():  # 4 MiB: its memory travels out of band, through the relay too
+            big = torch.arange(2.0**20) + mesh.rank(mesh.names)
+        assert torch.equal(dm.inspect(big, host=1, gpu=1), torch.arange(2.0**20) + 3)
+
+
+def test_a_failure_on_a_rank_that_is_not_the_leader_names_that_rank(client4):
+    with dm.attach(client4, dims={"host": 2, "gpu": 2}, comm_timeout=60, record_answers=True) as mesh:
+        assert mesh._session.channels.relays[0].rank == 0  # rank 0 leads the host
+        with mesh.activate():
+            x = torch.rand(3, 4)
+            z = bogus(x, torch.rand(3, 4), mesh.rank(mesh.names), fail_rank=2)
+            a = z + x
+        with pytest.raises(dm.RemoteException, match="do_bogus_tensor_work") as info:
+            dm.fetch_shard(a, host=0, gpu=0).result(timeout=TIMEOUT)  # rank 0, where z did not fail
+        assert info.value.rank == 2 and info.value.worker == mesh.workers[2]
+        assert "mat1 and mat2 shapes cannot be multiplied" in info.value.backtrace
+        failed = [rank for rank, m in mesh._session.answers if isinstance(m, RemoteFunctionFailed)]
+        assert failed == [2]  # reported once, by rank 2
+
+
+def test_the_per_rank_path_stays_with_the_config_key_off(client4):
+    with dask.config.set({"monarch.answer-tree": False}):
+        with dm.attach(client4, dims={"dp": 4}, comm_timeout=60) as mesh:
+            channels = mesh._session.channels
+            assert channels.relays == [None] * 4 and all(link is not None for link in channels.links)
+            with mesh.activate():
+                x = mesh.rank("dp") + torch.zeros(2)
+            assert dm.inspect(x, dp=3).tolist() == [3.0, 3.0]
+            assert all(n > 0 for n in channels.socket_chunks) and channels.host_chunks == [0] * 4
+
+
+def slow(x):
+    time.sleep(60)
+    return x
+
+
+def test_a_killed_leader_fails_the_session_naming_its_worker():
+    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+        with Client(cluster) as client:
+            heartbeat = 20.0
+            mesh = dm.attach(client, dims={"dp": 3}, comm_timeout=60, heartbeat_timeout=heartbeat)
+            assert mesh._session.channels.relays[2].rank == 0
+            with mesh.activate():
+                x = mesh.rank("dp") + torch.zeros(2)
+            assert dm.inspect(x, dp=2).tolist() == [2.0, 2.0]
+            future = dm.fetch_shard(dm.remote(slow, propagate=lambda x: x)(x), dp=2)  # waits on every rank
+            leader = mesh.workers[0]
+            os.kill(client.run(os.getpid, workers=[leader])[leader], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(dm.SessionError, match=r"rank 0 \(" + leader) as info:
+                future.result(timeout=120)
+            assert time.monotonic() - start < heartbeat
+            assert "relay" in str(info.value)
+            mesh.exit()  # already reported: exit cleans up without raising
