@@ -1,0 +1,306 @@
+"""The controller's cost per host of the fan-out and fan-in tree (issue 23 item 6: the inputs of the model of 1,024
+ranks in BENCHMARKS.md "A model at 1,024 ranks").
+
+Parts 1 and 2 are a **microbenchmark of the controller's side**: the real ``Transport._flush_locked``,
+``HostLink`` (its ``send``, its reader thread, ``_apply``), ``History.status_many`` and ``MonarchFuture``, on a
+controller state of H hosts x R ranks, with a ``socket.socketpair`` per direction standing in for each host's
+relay (``controller/tree.py``'s ``connect_pair`` is pointed at them; nothing else is replaced). No worker runs:
+
+* ``flush``: one flush of one eager op's messages (a ``CallFunction``-sized segment and a ``DeleteRefs`` for
+  every rank, as ``x + x`` sends) to every host: batching, pickling once, and one ``sendall`` per host. The relay
+  ends are drained between rounds, outside the timing, so the figure is the controller's alone.
+* ``fetch``: a whole ``sync``: ``_flush_locked`` with ``RequestStatus`` to every host, then each stand-in relay
+  writes its answer chunk (``[("s", seq)]`` pickled as ``worker/relay.py`` pickles it, one ``send_frame`` per
+  host: the relay's cost, measured alone and printed as ``relay writes``), then the controller's reader threads
+  (one per host) receive, unpickle and apply them (``status_many`` for R ranks) and the last one wakes the
+  waiting ``MonarchFuture``. ``apply`` is ``HostLink._apply`` alone (unpickle + ``status_many``), called inline.
+
+Each figure is the median of ``--rounds`` rounds at each host count, and the cost per extra host is the slope of a
+least-squares line over the host counts (printed with the intercept).
+
+Part 3 (``--attach``, a real cluster): ``dm.attach`` of 1, 2, 4 ... ranks on one stock CLI cluster (``dask
+scheduler`` + ``dask worker --nworkers N``, loopback, ``bench/scale.py``'s ``CliCluster``), with the answer tree
+off and on: per rank (the slope with the tree off) and per host (the relay's start: on minus off at the same
+ranks, all ranks on one host here).
+
+Usage: ``python bench/host_costs.py [--hosts 1,2,4,8,16,32] [--per-host 8] [--rounds 200] [--attach 1,2,4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import selectors
+import socket
+import statistics
+import sys
+import time
+from collections import Counter
+
+import dask
+import torch
+
+from dask_monarch import interpreter
+from dask_monarch.controller import sockets as controller_sockets
+from dask_monarch.controller.bookkeeping import Bookkeeping
+from dask_monarch.controller.dispatch import op_path
+from dask_monarch.controller.future import MonarchFuture
+from dask_monarch.controller.transport import Transport
+from dask_monarch.controller.tree import HostLink
+from dask_monarch.protocol import ArgsKwargs, CallFunction, DeleteRefs, Ref, StreamRef
+from dask_monarch.protocol.frames import send_frame
+from dask_monarch.protocol.session_id import new_session_id, session_tag
+
+BUFFER = 4 * 2**20  # socket buffers: a round's frames fit, so no write waits for the drain
+
+
+class Controller(Bookkeeping, Transport):
+    """The state a ``Session`` gives ``Transport`` and ``HostLink`` (``_init_bookkeeping``, ``_init_transport``),
+    for ``hosts`` x ``per_host`` ranks, without a cluster."""
+
+    def __init__(self, hosts: int, per_host: int):
+        self.id = new_session_id()
+        self.tag = session_tag(self.id)
+        self.world_size = hosts * per_host
+        self.workers = [f"tcp://10.0.{r // per_host}.1:{40000 + r}" for r in range(self.world_size)]
+        self._all = tuple(range(self.world_size))
+        self.task_interval = 0.05
+        self.max_batch = 10**9
+        self.failure = None
+        self.closed = False
+        self._waiters: list = []
+        self._record_answers = False
+        self.liveness_interval = 1.0
+        self._init_bookkeeping()
+        self._init_transport()
+
+    def check_alive(self) -> None:
+        pass
+
+
+class Channels:
+    """What ``HostLink`` reads of ``Channels`` (``controller/channel.py``)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.tree = True
+        self.relays: dict = {}
+        self.host_chunks: Counter = Counter()
+        self.socket_chunks: Counter = Counter()
+        self.ended: set = set()
+        self._closing = False
+
+
+class Mesh:
+    """A ``Controller`` with a ``HostLink`` per host on socketpairs; ``relay_down[h]`` / ``relay_up[h]`` are the
+    relay's ends."""
+
+    def __init__(self, hosts: int, per_host: int):
+        self.session = Controller(hosts, per_host)
+        self.session.channels = self.channels = Channels(self.session)
+        self.relay_down, self.relay_up, self.links = [], [], []
+        for h in range(hosts):
+            down = socket.socketpair()
+            up = socket.socketpair()
+            for s in (*down, *up):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)
+            controller_sockets.connect_pair = lambda offer, ssl_context, timeout: offer["pair"]
+            ranks = list(range(h * per_host, (h + 1) * per_host))
+            link = HostLink(self.channels, ranks, {"pair": (down[0], up[0])}, None, 5.0)
+            for r in ranks:
+                self.channels.relays[r] = link
+            self.links.append(link)
+            self.relay_down.append(down[1])
+            self.relay_up.append(up[1])
+        self.selector = selectors.DefaultSelector()
+        for s in self.relay_down:
+            s.setblocking(False)
+            self.selector.register(s, selectors.EVENT_READ)
+        self.chunk = 0
+
+    def drain(self) -> None:
+        """Read what the controller wrote to the relays (outside the timings)."""
+        while True:
+            events = self.selector.select(0)
+            if not events:
+                return
+            for key, _ in events:
+                try:
+                    while key.fileobj.recv(1 << 20):
+                        pass
+                except BlockingIOError:
+                    pass
+        # the controller's batches wait for their Dask tasks in ``_later``: none are submitted here
+
+    def forget_tasks(self) -> None:
+        s = self.session
+        for entries in s._later:
+            entries.clear()
+        s._later_due = None
+
+    def answer(self, seq: int) -> None:
+        """Every relay answers that its ranks passed ``seq`` (as ``HostRelay.chunk`` / ``_RelayOutbox.push``)."""
+        blob = pickle.dumps([("s", seq)], protocol=5)
+        self.chunk += 1
+        for up in self.relay_up:
+            send_frame(up, {"c": self.chunk, "d": blob}, 5.0)
+
+    def close(self) -> None:
+        self.channels._closing = True
+        for link in self.links:
+            link.close()
+        for s in self.relay_down + self.relay_up:
+            s.close()
+
+
+_ADD = op_path(torch.ops.aten.add.Tensor)
+_STREAM = StreamRef(0)
+
+
+def op_messages(session: Controller) -> None:
+    """Buffer what one eager ``y = x + x`` sends every rank: a ``CallFunction`` of ``aten.add.Tensor`` on the default
+    stream, and the ``DeleteRefs`` of the ``y`` the previous op dropped (as ``controller/dispatch.py`` sends them)."""
+    seq = session._next_seq
+    session._next_seq += 1
+    session._buffer.append((session._all, CallFunction(seq, [Ref(seq + 1)], (), _ADD,
+                                                       ArgsKwargs((Ref(0), Ref(0)), {}), _STREAM, ())))
+    if seq:
+        session._buffer.append((session._all, DeleteRefs([Ref(seq)])))
+
+
+def time_flush(mesh: Mesh, rounds: int) -> float:
+    s = mesh.session
+    times = []
+    for i in range(rounds):
+        op_messages(s)
+        t = time.perf_counter()
+        with s.lock:
+            s._flush_locked(None)
+        times.append(time.perf_counter() - t)
+        mesh.forget_tasks()
+        if i % 16 == 15:
+            mesh.drain()
+    mesh.drain()
+    return statistics.median(times)
+
+
+def time_fetch(mesh: Mesh, rounds: int) -> tuple[float, float]:
+    """Median seconds of a whole sync, and of the relays' writes alone."""
+    s = mesh.session
+    times, writes = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        with s.lock:
+            seq = s._next_seq
+            s._next_seq += 1
+            future = MonarchFuture(s, seq, "bench")
+            s._waiters.append((seq, future, None))
+            s._flush_locked(seq, tasks=future.tasks)
+        w = time.perf_counter()
+        mesh.answer(seq + 1)
+        writes.append(time.perf_counter() - w)
+        future.result(timeout=10)
+        times.append(time.perf_counter() - t)
+        mesh.forget_tasks()
+        mesh.drain()
+    return statistics.median(times), statistics.median(writes)
+
+
+def time_apply(mesh: Mesh, rounds: int) -> float:
+    """Median seconds of ``HostLink._apply`` of every host's answer (inline: no socket, no thread)."""
+    s = mesh.session
+    times = []
+    for _ in range(rounds):
+        seq = s._next_seq = s._next_seq + 1
+        blob = pickle.dumps([("s", seq)], protocol=5)
+        t = time.perf_counter()
+        for link in mesh.links:
+            link._apply(blob)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fit(xs: list, ys: list) -> tuple[float, float]:
+    """Least-squares slope and intercept."""
+    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def controller_side(hosts: list[int], per_host: int, rounds: int) -> None:
+    print(f"controller side (microbenchmark: socketpairs stand in for the relays), {per_host} ranks per host, "
+          f"median of {rounds} rounds, us", flush=True)
+    print(f"{'hosts':>6} {'ranks':>6} {'flush':>9} {'fetch':>9} {'relay writes':>13} {'apply':>9}", flush=True)
+    rows = []
+    for h in hosts:
+        mesh = Mesh(h, per_host)
+        try:
+            time_flush(mesh, rounds // 4)  # warm up
+            flush = time_flush(mesh, rounds)
+            time_fetch(mesh, rounds // 4)
+            fetch, writes = time_fetch(mesh, rounds)
+            apply = time_apply(mesh, rounds)
+        finally:
+            mesh.close()
+        rows.append((h, flush * 1e6, fetch * 1e6, writes * 1e6, apply * 1e6))
+        print(f"{h:>6} {h * per_host:>6} {flush * 1e6:>9.1f} {fetch * 1e6:>9.1f} {writes * 1e6:>13.1f} "
+              f"{apply * 1e6:>9.1f}", flush=True)
+    xs = [r[0] for r in rows]
+    for name, col in (("flush", 1), ("fetch", 2), ("relay writes", 3), ("apply", 4)):
+        slope, icpt = fit(xs, [r[col] for r in rows])
+        print(f"per extra host: {name}: {slope:.2f} us (intercept {icpt:.1f} us)", flush=True)
+    slope_f, _ = fit(xs, [r[2] - r[3] for r in rows])
+    print(f"per extra host: fetch minus relay writes (the controller's part): {slope_f:.2f} us", flush=True)
+
+
+def attach_costs(counts: list[int], rounds: int) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from scale import CliCluster  # noqa: E402  (bench/scale.py)
+
+    import dask_monarch as dm
+
+    cluster = CliCluster(max(counts))
+    try:
+        dm.attach(cluster.client, dims={"dp": max(counts)}).exit()  # the workers' first session (imports)
+        print(f"attach (real cluster: stock CLI, {max(counts)} workers on loopback, one host), median of {rounds}, s",
+              flush=True)
+        results: dict = {}
+        for _ in range(rounds):
+            for tree in (False, True):
+                for n in counts:
+                    with dask.config.set({"monarch.answer-tree": tree}):
+                        start = time.perf_counter()
+                        mesh = dm.attach(cluster.client, dims={"dp": n})
+                        took = time.perf_counter() - start
+                    mesh.exit()
+                    results.setdefault((tree, n), []).append(took)
+        for n in counts:
+            off, on = (statistics.median(results[(t, n)]) for t in (False, True))
+            print(f"{n:>3} ranks: tree off {off:.3f} s, tree on {on:.3f} s (relay start {on - off:+.3f} s)", flush=True)
+        slope, icpt = fit(counts, [statistics.median(results[(False, n)]) for n in counts])
+        print(f"per extra rank (tree off): {slope * 1e3:.1f} ms (intercept {icpt:.3f} s)", flush=True)
+    finally:
+        cluster.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default="1,2,4,8,16,32")
+    parser.add_argument("--per-host", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--attach", default="", help="rank counts for part 3, e.g. 1,2,4 (default: skipped)")
+    parser.add_argument("--attach-rounds", type=int, default=3)
+    args = parser.parse_args()
+    interpreter.hold()  # the switch interval a session sets (``interpreter.py``)
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, switch interval "
+          f"{sys.getswitchinterval() * 1e6:.0f} us", flush=True)
+    if args.hosts:
+        controller_side([int(h) for h in args.hosts.split(",")], args.per_host, args.rounds)
+    if args.attach:
+        attach_costs([int(n) for n in args.attach.split(",")], args.attach_rounds)
+
+
+if __name__ == "__main__":
+    main()
