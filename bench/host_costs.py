@@ -11,7 +11,7 @@ relay (``controller/tree.py``'s ``connect_pair`` is pointed at them; nothing els
   ends are drained between rounds, outside the timing, so the figure is the controller's alone.
 * ``fetch``: a whole ``sync``: ``_flush_locked`` with ``RequestStatus`` to every host, then each stand-in relay
   writes its answer chunk (``[("s", seq)]`` pickled as ``worker/relay.py`` pickles it, one ``send_frame`` per
-  host: the relay's cost, measured alone and printed as ``relay writes``), then the controller's reader threads
+  host, from a forked process: on another core, as the relays are on other hosts), then the controller's reader threads
   (one per host) receive, unpickle and apply them (``status_many`` for R ranks) and the last one wakes the
   waiting ``MonarchFuture``. ``apply`` is ``HostLink._apply`` alone (unpickle + ``status_many``), called inline.
 
@@ -93,32 +93,43 @@ class Channels:
 
 
 class Mesh:
-    """A ``Controller`` with a ``HostLink`` per host on socketpairs; ``relay_down[h]`` / ``relay_up[h]`` are the
-    relay's ends."""
+    """A ``Controller`` with a ``HostLink`` per host on socketpairs. The relays' ends of the down sockets are drained
+    here (``drain``, outside the timings); their up ends belong to a forked process (``_relays``), which writes
+    every host's answer when told (``answer``): on another core, as the relays are on other hosts."""
 
     def __init__(self, hosts: int, per_host: int):
-        self.session = Controller(hosts, per_host)
-        self.session.channels = self.channels = Channels(self.session)
-        self.relay_down, self.relay_up, self.links = [], [], []
-        for h in range(hosts):
-            down = socket.socketpair()
-            up = socket.socketpair()
+        pairs = []
+        for _ in range(hosts):
+            down, up = socket.socketpair(), socket.socketpair()
             for s in (*down, *up):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER)
-            controller_sockets.connect_pair = lambda offer, ssl_context, timeout: offer["pair"]
+            pairs.append((down, up))
+        self.told, told = socket.socketpair()
+        self.relays = os.fork()  # before any thread of this process starts
+        if self.relays == 0:
+            try:
+                self.told.close()
+                _relays(told, [up[1] for _, up in pairs])
+            finally:
+                os._exit(0)
+        told.close()
+        self.session = Controller(hosts, per_host)
+        self.session.channels = self.channels = Channels(self.session)
+        self.relay_down, self.links = [], []
+        controller_sockets.connect_pair = lambda offer, ssl_context, timeout: offer["pair"]
+        for h, (down, up) in enumerate(pairs):
+            up[1].close()
             ranks = list(range(h * per_host, (h + 1) * per_host))
             link = HostLink(self.channels, ranks, {"pair": (down[0], up[0])}, None, 5.0)
             for r in ranks:
                 self.channels.relays[r] = link
             self.links.append(link)
             self.relay_down.append(down[1])
-            self.relay_up.append(up[1])
         self.selector = selectors.DefaultSelector()
         for s in self.relay_down:
             s.setblocking(False)
             self.selector.register(s, selectors.EVENT_READ)
-        self.chunk = 0
 
     def drain(self) -> None:
         """Read what the controller wrote to the relays (outside the timings)."""
@@ -132,27 +143,41 @@ class Mesh:
                         pass
                 except BlockingIOError:
                     pass
-        # the controller's batches wait for their Dask tasks in ``_later``: none are submitted here
 
     def forget_tasks(self) -> None:
+        """The controller's batches wait for their Dask tasks in ``_later``: none are submitted here."""
         s = self.session
         for entries in s._later:
             entries.clear()
         s._later_due = None
 
     def answer(self, seq: int) -> None:
-        """Every relay answers that its ranks passed ``seq`` (as ``HostRelay.chunk`` / ``_RelayOutbox.push``)."""
-        blob = pickle.dumps([("s", seq)], protocol=5)
-        self.chunk += 1
-        for up in self.relay_up:
-            send_frame(up, {"c": self.chunk, "d": blob}, 5.0)
+        """Every relay answers that its ranks passed ``seq`` (from the forked process)."""
+        self.told.sendall(seq.to_bytes(8, "little"))
 
     def close(self) -> None:
         self.channels._closing = True
+        self.told.close()  # the relays' process ends, closing the up sockets: the readers end
+        os.waitpid(self.relays, 0)
         for link in self.links:
             link.close()
-        for s in self.relay_down + self.relay_up:
+        for s in self.relay_down:
             s.close()
+
+
+def _relays(told: socket.socket, ups: list) -> None:
+    """The forked relays: for each seq told, one answer chunk per host, ``[("s", seq)]`` pickled as ``HostRelay``'s
+    outbox pickles it (``worker/relay.py``), written with ``send_frame``."""
+    chunk = 0
+    while True:
+        data = told.recv(8)
+        if len(data) < 8:
+            return
+        seq = int.from_bytes(data, "little")
+        blob = pickle.dumps([("s", seq)], protocol=5)
+        chunk += 1
+        for up in ups:
+            send_frame(up, {"c": chunk, "d": blob}, 5.0)
 
 
 _ADD = op_path(torch.ops.aten.add.Tensor)
@@ -186,10 +211,10 @@ def time_flush(mesh: Mesh, rounds: int) -> float:
     return statistics.median(times)
 
 
-def time_fetch(mesh: Mesh, rounds: int) -> tuple[float, float]:
-    """Median seconds of a whole sync, and of the relays' writes alone."""
+def time_fetch(mesh: Mesh, rounds: int) -> float:
+    """Median seconds of a whole sync."""
     s = mesh.session
-    times, writes = [], []
+    times = []
     for _ in range(rounds):
         t = time.perf_counter()
         with s.lock:
@@ -198,14 +223,12 @@ def time_fetch(mesh: Mesh, rounds: int) -> tuple[float, float]:
             future = MonarchFuture(s, seq, "bench")
             s._waiters.append((seq, future, None))
             s._flush_locked(seq, tasks=future.tasks)
-        w = time.perf_counter()
         mesh.answer(seq + 1)
-        writes.append(time.perf_counter() - w)
         future.result(timeout=10)
         times.append(time.perf_counter() - t)
         mesh.forget_tasks()
         mesh.drain()
-    return statistics.median(times), statistics.median(writes)
+    return statistics.median(times)
 
 
 def time_apply(mesh: Mesh, rounds: int) -> float:
@@ -232,7 +255,7 @@ def fit(xs: list, ys: list) -> tuple[float, float]:
 def controller_side(hosts: list[int], per_host: int, rounds: int) -> None:
     print(f"controller side (microbenchmark: socketpairs stand in for the relays), {per_host} ranks per host, "
           f"median of {rounds} rounds, us", flush=True)
-    print(f"{'hosts':>6} {'ranks':>6} {'flush':>9} {'fetch':>9} {'relay writes':>13} {'apply':>9}", flush=True)
+    print(f"{'hosts':>6} {'ranks':>6} {'flush':>9} {'fetch':>9} {'apply':>9}", flush=True)
     rows = []
     for h in hosts:
         mesh = Mesh(h, per_host)
@@ -240,19 +263,19 @@ def controller_side(hosts: list[int], per_host: int, rounds: int) -> None:
             time_flush(mesh, rounds // 4)  # warm up
             flush = time_flush(mesh, rounds)
             time_fetch(mesh, rounds // 4)
-            fetch, writes = time_fetch(mesh, rounds)
+            fetch = time_fetch(mesh, rounds)
             apply = time_apply(mesh, rounds)
         finally:
             mesh.close()
-        rows.append((h, flush * 1e6, fetch * 1e6, writes * 1e6, apply * 1e6))
-        print(f"{h:>6} {h * per_host:>6} {flush * 1e6:>9.1f} {fetch * 1e6:>9.1f} {writes * 1e6:>13.1f} "
-              f"{apply * 1e6:>9.1f}", flush=True)
+        rows.append((h, flush * 1e6, fetch * 1e6, apply * 1e6))
+        print(f"{h:>6} {h * per_host:>6} {flush * 1e6:>9.1f} {fetch * 1e6:>9.1f} {apply * 1e6:>9.1f}", flush=True)
     xs = [r[0] for r in rows]
-    for name, col in (("flush", 1), ("fetch", 2), ("relay writes", 3), ("apply", 4)):
+    for name, col in (("flush", 1), ("fetch", 2), ("apply", 3)):
         slope, icpt = fit(xs, [r[col] for r in rows])
-        print(f"per extra host: {name}: {slope:.2f} us (intercept {icpt:.1f} us)", flush=True)
-    slope_f, _ = fit(xs, [r[2] - r[3] for r in rows])
-    print(f"per extra host: fetch minus relay writes (the controller's part): {slope_f:.2f} us", flush=True)
+        small = [r for r in rows if r[0] <= 8]
+        slope8, _ = fit([r[0] for r in small], [r[col] for r in small]) if len(small) > 1 else (float("nan"), 0)
+        print(f"per extra host: {name}: {slope:.2f} us over all (intercept {icpt:.1f} us); {slope8:.2f} us up to 8 "
+              f"hosts", flush=True)
 
 
 def attach_costs(counts: list[int], rounds: int) -> None:
