@@ -117,15 +117,19 @@ class Mesh:
         self.session = Controller(hosts, per_host)
         self.session.channels = self.channels = Channels(self.session)
         self.relay_down, self.links = [], []
+        connect_pair = controller_sockets.connect_pair
         controller_sockets.connect_pair = lambda offer, ssl_context, timeout: offer["pair"]
-        for h, (down, up) in enumerate(pairs):
-            up[1].close()
-            ranks = list(range(h * per_host, (h + 1) * per_host))
-            link = HostLink(self.channels, ranks, {"pair": (down[0], up[0])}, None, 5.0)
-            for r in ranks:
-                self.channels.relays[r] = link
-            self.links.append(link)
-            self.relay_down.append(down[1])
+        try:
+            for h, (down, up) in enumerate(pairs):
+                up[1].close()
+                ranks = list(range(h * per_host, (h + 1) * per_host))
+                link = HostLink(self.channels, ranks, {"pair": (down[0], up[0])}, None, 5.0)
+                for r in ranks:
+                    self.channels.relays[r] = link
+                self.links.append(link)
+                self.relay_down.append(down[1])
+        finally:  # only these links: a real session in this process connects for real (part 3)
+            controller_sockets.connect_pair = connect_pair
         self.selector = selectors.DefaultSelector()
         for s in self.relay_down:
             s.setblocking(False)
@@ -302,8 +306,10 @@ def attach_costs(counts: list[int], rounds: int) -> None:
         for n in counts:
             off, on = (statistics.median(results[(t, n)]) for t in (False, True))
             print(f"{n:>3} ranks: tree off {off:.3f} s, tree on {on:.3f} s (relay start {on - off:+.3f} s)", flush=True)
-        slope, icpt = fit(counts, [statistics.median(results[(False, n)]) for n in counts])
-        print(f"per extra rank (tree off): {slope * 1e3:.1f} ms (intercept {icpt:.3f} s)", flush=True)
+        for tree in (False, True):
+            slope, icpt = fit(counts, [statistics.median(results[(tree, n)]) for n in counts])
+            print(f"per extra rank (tree {'on' if tree else 'off'}): {slope * 1e3:.2f} ms (intercept {icpt:.3f} s)",
+                  flush=True)
     finally:
         cluster.close()
 
