@@ -9,6 +9,8 @@ relay (``controller/tree.py``'s ``connect_pair`` is pointed at them; nothing els
 * ``flush``: one flush of one eager op's messages (a ``CallFunction``-sized segment and a ``DeleteRefs`` for
   every rank, as ``x + x`` sends) to every host: batching, pickling once, and one ``sendall`` per host. The relay
   ends are drained between rounds, outside the timing, so the figure is the controller's alone.
+* ``flush100/op``: one flush of 100 such ops (the flusher's batch: ``flush_interval`` 5 ms of ~25 us ops holds
+  ~200), per op.
 * ``fetch``: a whole ``sync``: ``_flush_locked`` with ``RequestStatus`` to every host, then each stand-in relay
   writes its answer chunk (``[("s", seq)]`` pickled as ``worker/relay.py`` pickles it, one ``send_frame`` per
   host, from a forked process: on another core, as the relays are on other hosts), then the controller's reader threads
@@ -199,17 +201,19 @@ def op_messages(session: Controller) -> None:
         session._buffer.append((session._all, DeleteRefs([Ref(seq)])))
 
 
-def time_flush(mesh: Mesh, rounds: int) -> float:
+def time_flush(mesh: Mesh, rounds: int, ops: int = 1) -> float:
+    """Median seconds of one flush of ``ops`` eager ops."""
     s = mesh.session
     times = []
     for i in range(rounds):
-        op_messages(s)
+        for _ in range(ops):
+            op_messages(s)
         t = time.perf_counter()
         with s.lock:
             s._flush_locked(None)
         times.append(time.perf_counter() - t)
         mesh.forget_tasks()
-        if i % 16 == 15:
+        if ops > 1 or i % 16 == 15:
             mesh.drain()
     mesh.drain()
     return statistics.median(times)
@@ -259,22 +263,24 @@ def fit(xs: list, ys: list) -> tuple[float, float]:
 def controller_side(hosts: list[int], per_host: int, rounds: int) -> None:
     print(f"controller side (microbenchmark: socketpairs stand in for the relays), {per_host} ranks per host, "
           f"median of {rounds} rounds, us", flush=True)
-    print(f"{'hosts':>6} {'ranks':>6} {'flush':>9} {'fetch':>9} {'apply':>9}", flush=True)
+    print(f"{'hosts':>6} {'ranks':>6} {'flush':>9} {'flush100/op':>12} {'fetch':>9} {'apply':>9}", flush=True)
     rows = []
     for h in hosts:
         mesh = Mesh(h, per_host)
         try:
             time_flush(mesh, rounds // 4)  # warm up
             flush = time_flush(mesh, rounds)
+            batched = time_flush(mesh, max(5, rounds // 20), ops=100) / 100
             time_fetch(mesh, rounds // 4)
             fetch = time_fetch(mesh, rounds)
             apply = time_apply(mesh, rounds)
         finally:
             mesh.close()
-        rows.append((h, flush * 1e6, fetch * 1e6, apply * 1e6))
-        print(f"{h:>6} {h * per_host:>6} {flush * 1e6:>9.1f} {fetch * 1e6:>9.1f} {apply * 1e6:>9.1f}", flush=True)
+        rows.append((h, flush * 1e6, fetch * 1e6, apply * 1e6, batched * 1e6))
+        print(f"{h:>6} {h * per_host:>6} {flush * 1e6:>9.1f} {batched * 1e6:>12.1f} {fetch * 1e6:>9.1f} "
+              f"{apply * 1e6:>9.1f}", flush=True)
     xs = [r[0] for r in rows]
-    for name, col in (("flush", 1), ("fetch", 2), ("apply", 3)):
+    for name, col in (("flush", 1), ("fetch", 2), ("apply", 3), ("flush100/op", 4)):
         slope, icpt = fit(xs, [r[col] for r in rows])
         small = [r for r in rows if r[0] <= 8]
         slope8, _ = fit([r[0] for r in small], [r[col] for r in small]) if len(small) > 1 else (float("nan"), 0)
