@@ -173,10 +173,21 @@ class Transport:
             return
         # consecutive messages with the same targets (and stream, for stream messages) form one segment, pickled
         # once (protocol/batch.py)
-        per_rank: list[list] = [[] for _ in range(self.world_size)]
-        for targets, segment in batch.segments(items, dumps):
-            for r in targets:
-                per_rank[r].append(segment)
+        segments = batch.segments(items, dumps)
+        everyone = self._all
+        if all(targets is everyone for targets, _ in segments):
+            # every segment for every rank (the common case): one list for all, whose indices each host's frame
+            # shares, so that a flush costs O(segments + ranks), not O(segments x ranks) (issue 23 item 6;
+            # BENCHMARKS.md "A model at 1,024 ranks")
+            shared = [segment for _, segment in segments]
+            shared_idx = list(range(len(shared)))
+            per_rank: list = [shared] * self.world_size
+        else:
+            shared = None
+            per_rank = [[] for _ in range(self.world_size)]
+            for targets, segment in segments:
+                for r in targets:
+                    per_rank[r].append(segment)
         channels = self.channels
         relays = channels.relays if channels is not None and channels.tree else None
         hosts: dict = {}  # HostLink -> ([(rank, batch, [segment index])], [segment], {id(segment): index})
@@ -189,6 +200,12 @@ class Transport:
             self._later[rank].append((bseq, blobs, sync))
             host = relays[rank] if relays is not None else None
             if host is not None:  # one frame per host, each segment once (tree.py)
+                if blobs is shared:  # every rank has every segment: the host's frame carries them in order
+                    got = hosts.get(host)
+                    if got is None:
+                        got = hosts[host] = ([], shared, None)
+                    got[0].append((rank, bseq, shared_idx))
+                    continue
                 entries, segs, index = hosts.get(host) or hosts.setdefault(host, ([], [], {}))
                 idx = []
                 for blob in blobs:
