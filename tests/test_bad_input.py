@@ -239,6 +239,17 @@ def test_reduce_over_an_unknown_dim_raises_before_sending(mesh1, monkeypatch):
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
 
 
+def test_reduce_over_dims_that_are_not_names_raises_naming_them(mesh1):
+    """``x.reduce(0)`` (a position, not a name) said only "'int' object is not iterable"."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    with pytest.raises(TypeError, match=r"reduce: dims must be a dimension name or a tuple of names, got 0"):
+        x.reduce(0)
+    with pytest.raises(KeyError, match=r"reduce: 0 is not a dimension of the mesh"):
+        x.reduce((0,))
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
 # --------------------------------------------------------------------------------------------- value errors
 def test_unknown_function_is_a_value_error(mesh1, client1, worker_pids):
     with mesh1.activate():
