@@ -277,6 +277,15 @@ def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
     assert_cluster_serves(client1)
 
 
+def test_wrong_number_of_results_names_a_cloudpickled_function(mesh1):
+    """A lambda (sent by value) is named by its qualified name, not "<cloudpickled function, 691 bytes>"."""
+    with mesh1.activate():
+        r = dm.remote(lambda: (torch.ones(3), torch.ones(3)), propagate=lambda: torch.empty(3))()
+    with pytest.raises(dm.RemoteException, match=r"expected 1, got 2 \(remote function [\w.]*test_wrong_number_of_"
+                                                 r"results_names_a_cloudpickled_function\.<locals>\.<lambda>\)"):
+        dm.fetch_shard(r).result(timeout=TIMEOUT)
+
+
 # ------------------------------------------------------------------------------------------ attach arguments
 def scheduler_sessions(client) -> dict:
     return client.sync(client.scheduler.monarch_sessions) or {}  # None before dask_monarch's first attach
