@@ -274,8 +274,10 @@ class Transport:
         """Rank ``rank``'s channel (``what``: its comm, or its answer sockets) broke (on the event loop, or the
         sockets' thread): its batches go on the way left (``instead``), and the tasks of those already sent on it
         are submitted now (the flusher does it: no lock here)."""
-        # the program closing its own Client under the session closes the channels too: no news then
-        quiet = self.closed or getattr(self.client, "status", None) in ("closing", "closed")
+        # the program closing its own Client under the session closes the channels too: no news then; nor once
+        # the session failed (its error, logged already, says why; nothing comes back on the way left)
+        quiet = (self.closed or self.failure is not None
+                 or getattr(self.client, "status", None) in ("closing", "closed"))
         logger.log(logging.DEBUG if quiet else logging.WARNING,
                    "dask_monarch: session %s: the %s to rank %d (%s) closed (%s: %s); its answers come back on %s "
                    "from now on", self._key, what, rank, self.workers[rank], type(error).__name__, error, instead)
