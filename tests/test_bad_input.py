@@ -239,6 +239,17 @@ def test_reduce_over_an_unknown_dim_raises_before_sending(mesh1, monkeypatch):
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
 
 
+def test_reduce_over_dims_that_are_not_names_raises_naming_them(mesh1):
+    """``x.reduce(0)`` (a position, not a name) said only "'int' object is not iterable"."""
+    with mesh1.activate():
+        x = dm.remote(make_values)(3)
+    with pytest.raises(TypeError, match=r"reduce: dims must be a dimension name or a tuple of names, got 0"):
+        x.reduce(0)
+    with pytest.raises(KeyError, match=r"reduce: 0 is not a dimension of the mesh"):
+        x.reduce((0,))
+    assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
+
+
 # --------------------------------------------------------------------------------------------- value errors
 def test_unknown_function_is_a_value_error(mesh1, client1, worker_pids):
     with mesh1.activate():
@@ -264,6 +275,15 @@ def test_wrong_number_of_results_is_a_value_error(mesh1, client1, worker_pids):
             dm.fetch_shard(result).result(timeout=TIMEOUT)
     assert torch.equal(dm.fetch_shard(x).result(timeout=TIMEOUT), make_values(3))
     assert_cluster_serves(client1)
+
+
+def test_wrong_number_of_results_names_a_cloudpickled_function(mesh1):
+    """A lambda (sent by value) is named by its qualified name, not "<cloudpickled function, 691 bytes>"."""
+    with mesh1.activate():
+        r = dm.remote(lambda: (torch.ones(3), torch.ones(3)), propagate=lambda: torch.empty(3))()
+    with pytest.raises(dm.RemoteException, match=r"expected 1, got 2 \(remote function [\w.]*test_wrong_number_of_"
+                                                 r"results_names_a_cloudpickled_function\.<locals>\.<lambda>\)"):
+        dm.fetch_shard(r).result(timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------------------ attach arguments

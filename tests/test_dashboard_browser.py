@@ -20,6 +20,7 @@ from pathlib import Path
 import dask
 import pytest
 import torch
+from distributed import Client
 
 import dask_monarch as dm
 from dask_monarch.controller.task_keys import session_tag
@@ -155,6 +156,16 @@ def page_text_with(driver, *needles: str) -> str | None:
     """The page's text if it contains every one of ``needles``, else None."""
     text = driver.execute_script(PAGE_TEXT_JS)
     return text if all(n in text for n in needles) else None
+
+
+@pytest.fixture
+def client2():
+    """A cluster of its own: the page's all-sessions view and its 'no session' text must show this test's session
+    alone, not the sessions that other tests ran on the run's shared cluster."""
+    from conftest import _cluster
+
+    with _cluster(2) as cluster, Client(cluster) as client:
+        yield client
 
 
 def test_monarch_page_shows_live_session_in_chromium(client2, browser):

@@ -231,6 +231,27 @@ def test_restarting_the_cluster_fails_the_session_saying_so(fresh_client2):
     mesh.exit()
 
 
+def test_a_failed_session_does_not_announce_a_fallback_for_its_lost_channels(fresh_client2, caplog):
+    """After ``Client.restart`` failed the session, the answer channels and sockets that close afterwards are not
+    reported as "its answers come back on ... from now on" (WARNING on stderr): nothing comes back for a failed
+    session (seen after the error in a restart mid-fetch: four such lines, issue 26's fault round)."""
+    client = fresh_client2
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    x = dm.remote(slow_add)(dm.remote(torch.add)(mesh.rank("dp"), 1))
+    future = dm.fetch_shard(x)
+    time.sleep(1)
+    caplog.set_level("WARNING", logger="dask_monarch.controller")
+    client.restart(timeout=60)
+    with pytest.raises(dm.SessionError):
+        future.result(timeout=60)
+    time.sleep(3)  # the channels of both ranks close by now (the workers restarted)
+    mesh.exit()
+    messages = [(r.created, r.getMessage()) for r in caplog.records]
+    failed_at = min(t for t, m in messages if m.startswith(f"session {mesh.session_id}: "))  # the session's error
+    late = [m for t, m in messages if "from now on" in m and t >= failed_at]
+    assert late == []
+
+
 def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
     """mesh.exit() waits for every rank to drain; a rank that never answers is reported by exit itself."""
     client = fresh_client2

@@ -26,20 +26,23 @@ from ..protocol import CreateRemoteProcessGroup, Ref, SplitCommForProcessGroup
 __all__ = ["RemoteProcessGroup"]
 
 
-def _dims(mesh, dims) -> tuple:
+def mesh_dims(mesh, dims, what: str) -> tuple:
+    """``dims`` (a dimension name, a tuple of names, or ``()`` for all) as a tuple of ``mesh``'s dimension names,
+    for ``what`` (``"reduce"``, ``"process_group"``: the errors start with it). Raises ``TypeError`` for anything
+    but a name or an iterable of names, ``KeyError`` for a name not of the mesh, ``ValueError`` for duplicates."""
     if isinstance(dims, str):
         dims = (dims,)
     try:
         dims = tuple(dims)
     except TypeError:
-        raise TypeError(f"process_group: dims must be a dimension name or a tuple of names, got {dims!r}") from None
+        raise TypeError(f"{what}: dims must be a dimension name or a tuple of names, got {dims!r}") from None
     if not dims:
         return tuple(mesh.names)
     for d in dims:
         if d not in mesh.names:
-            raise KeyError(f"process_group: {d!r} is not a dimension of the mesh; its dimensions are {list(mesh.names)}")
+            raise KeyError(f"{what}: {d!r} is not a dimension of the mesh; its dimensions are {list(mesh.names)}")
     if len(set(dims)) != len(dims):
-        raise ValueError(f"process_group: duplicate dimensions in {dims}")
+        raise ValueError(f"{what}: duplicate dimensions in {dims}")
     return dims
 
 
@@ -72,7 +75,7 @@ class RemoteProcessGroup:
 
     def __init__(self, mesh, dims=()):
         self.mesh = mesh
-        self.dims = _dims(mesh, dims)
+        self.dims = mesh_dims(mesh, dims, "process_group")
         self._stand_in = None
         self._streams: set = set()
         session = mesh._session

@@ -17,24 +17,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..protocol import Factory, Reduce, Reduction
 from .local import propagating
 from .mesh import frontend
+from .process_group import mesh_dims
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
 __all__ = ["reduce", "reduce_", "reduce_one"]
-
-
-def _dims(mesh, dims) -> tuple:
-    if isinstance(dims, str):
-        dims = (dims,)
-    dims = tuple(dims)
-    if not dims:
-        return mesh.names
-    for d in dims:
-        if d not in mesh.names:
-            raise KeyError(f"{d!r} is not a dimension of the mesh; its dimensions are {list(mesh.names)}")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"reduce: duplicate dimensions in {dims}")
-    return dims
 
 
 def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=None, in_place: bool = False,
@@ -54,7 +41,7 @@ def reduce_one(t: Tensor, dims, reduction="sum", scatter: bool = False, mesh=Non
     t.check_usable()
     red = Reduction.parse(reduction)
     tmesh = t.mesh
-    dims = _dims(tmesh, dims)
+    dims = mesh_dims(tmesh, dims, "reduce")
     if len(dims) > 1 and (red is Reduction.Stack or scatter):
         raise ValueError(f"reduce: {red.value}{' with scatter' if scatter else ''} over {dims} is not valid for multiple "
                          "dimensions: a stack or a scatter works over one dimension (reduce one dimension at a time)")

@@ -176,9 +176,8 @@ class Transport:
         segments = batch.segments(items, dumps)
         everyone = self._all
         if all(targets is everyone for targets, _ in segments):
-            # every segment for every rank (the common case): one list for all, whose indices each host's frame
-            # shares, so that a flush costs O(segments + ranks), not O(segments x ranks) (issue 23 item 6;
-            # BENCHMARKS.md "A model at 1,024 ranks")
+            # every segment for every rank (the common case): one list, whose indices every host's frame shares, so
+            # a flush costs O(segments + ranks), not O(segments x ranks) (BENCHMARKS.md "A model at 1,024 ranks")
             shared = [segment for _, segment in segments]
             shared_idx = list(range(len(shared)))
             per_rank: list = [shared] * self.world_size
@@ -201,10 +200,7 @@ class Transport:
             host = relays[rank] if relays is not None else None
             if host is not None:  # one frame per host, each segment once (tree.py)
                 if blobs is shared:  # every rank has every segment: the host's frame carries them in order
-                    got = hosts.get(host)
-                    if got is None:
-                        got = hosts[host] = ([], shared, None)
-                    got[0].append((rank, bseq, shared_idx))
+                    (hosts.get(host) or hosts.setdefault(host, ([], shared, None)))[0].append((rank, bseq, shared_idx))
                     continue
                 entries, segs, index = hosts.get(host) or hosts.setdefault(host, ([], [], {}))
                 idx = []
@@ -291,8 +287,10 @@ class Transport:
         """Rank ``rank``'s channel (``what``: its comm, or its answer sockets) broke (on the event loop, or the
         sockets' thread): its batches go on the way left (``instead``), and the tasks of those already sent on it
         are submitted now (the flusher does it: no lock here)."""
-        # the program closing its own Client under the session closes the channels too: no news then
-        quiet = self.closed or getattr(self.client, "status", None) in ("closing", "closed")
+        # the program closing its own Client under the session closes the channels too: no news then; nor once
+        # the session failed (its error, logged already, says why; nothing comes back on the way left)
+        quiet = (self.closed or self.failure is not None
+                 or getattr(self.client, "status", None) in ("closing", "closed"))
         logger.log(logging.DEBUG if quiet else logging.WARNING,
                    "dask_monarch: session %s: the %s to rank %d (%s) closed (%s: %s); its answers come back on %s "
                    "from now on", self._key, what, rank, self.workers[rank], type(error).__name__, error, instead)

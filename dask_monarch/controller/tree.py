@@ -130,8 +130,9 @@ class HostLink(SocketLink):
                 failed = [m for m in messages if type(m) is SessionFailed]
                 note = session._departed(failed[0].error.backtrace) if failed and session.failure is None else ""
                 decoded.append((rank, messages, note))
-            elif kind == "x":
+            elif kind == "x":  # a rank's end, with the last seq it passed (the host's minimum may lag behind it)
                 channels.ended.add(entry[1])
+                decoded.append((entry[1], None, entry[2]))
             elif kind == "l" and not session.closed and entry[1] not in channels.ended:
                 # its worker died, most likely: the scheduler ends the session on the others, whose report names it
                 # (SessionFailed, through this relay); failing here is the bound if nothing else comes
@@ -140,6 +141,10 @@ class HostLink(SocketLink):
                 timer.start()
         with session.lock:
             for rank, messages, note in decoded:
+                if rank is not None and messages is None:  # "x": this rank alone passed ``note``
+                    if session.history.status_many((rank,), note):
+                        session._advanced()
+                    continue
                 if rank is not None:
                     for msg in messages:
                         session._handle(rank, msg, note)

@@ -17,7 +17,7 @@ relay's):
   in the order given, so each rank's order is the controller's;
 * up (relay -> controller): numbered chunks whose data is a pickled list of entries, in arrival order:
   ``("c", rank, chunk)`` a rank's answer chunk as the rank pickled it (anything but ``Status`` alone),
-  ``("s", seq)`` every rank of the host has passed ``seq`` (the minimum of their ``Status``), ``("x", rank)`` the
+  ``("s", seq)`` every rank of the host has passed ``seq`` (the minimum of their ``Status``), ``("x", rank, seq)`` the
   session ended on that rank, ``("l", rank, why)`` that rank's sockets broke.
 
 A chunk of ``Status`` alone is absorbed here; one of ``Status`` and ``FetchResult`` waits for the next ``("s",
@@ -228,7 +228,12 @@ class HostRelay:
             self.outbox.put(out)
 
     def ended(self, rank: int) -> None:
-        self._now(("x", rank))
+        """``rank``'s session ended (its sockets closed after its last chunk): ``("x", rank, seq)`` with the last
+        ``Status`` seq it passed, which the host's minimum may not show while another rank of the host is busy
+        (an exit waiting for a busy rank must not name the ranks that are done)."""
+        with self._lock:
+            seq = self._passed.get(rank, 0)
+        self._now(("x", rank, seq))
 
     def lost(self, rank: int, why: str | None) -> None:
         if not self._closed:

@@ -17,6 +17,7 @@ import torch
 from ..protocol import FunctionPath, PickledValue, Ref, resolve_function
 from ..protocol.function import TEST_PANIC
 from .errors import DependentError, FatalError, SeqError, ValueFailure
+from .activity import function_name
 from .result_checks import mismatch
 from torch.utils._pytree import tree_flatten
 
@@ -189,7 +190,7 @@ class Call:
         if len(leaves) != len(results):
             raise ValueFailure(
                 f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
-                f" (function {self.msg.function!r})"
+                f" (remote function {function_name(self.msg.function)})"
             )
         for ref, value in zip(results, leaves):
             if ref is not None:

@@ -43,6 +43,7 @@ from .device import pin
 from .errors import DependentError, FatalError, SeqError, ValueFailure
 from .inbox import load_segment
 from .reduce import ReduceHandler
+from .activity import function_name
 from .result_checks import mismatch
 from . import pipe
 from .context import _local
@@ -411,7 +412,7 @@ class StreamWorker(ReduceHandler):
             if len(leaves) != len(results):
                 raise ValueFailure(
                     f"unexpected number of returns from op, expected {len(results)}, got {len(leaves)}"
-                    f" (function {function!r})"
+                    f" (remote function {function_name(function)})"
                 )
             store_results(self.env, results, leaves, f"CallFunction seq {msg.seq}")
         except DependentError as e:
