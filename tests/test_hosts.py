@@ -4,7 +4,8 @@
 (tests/hosts_controller.py) checks that the actors of every rank answer from their own host, a reduce over both
 dims and each rank's value, ``to_mesh`` from one host's ranks to the other's, a compiled call whose all-reduce
 crosses the hosts, ``from_dask``, and the dashboard's ``/monarch`` page at ``mesh.dashboard_link`` with a row per worker host. Needs root and network namespaces (CI has both); skipped, saying why,
-elsewhere. No delay between the hosts is simulated (no ``netem`` on this kernel)."""
+elsewhere. The same checks run with the hosts 1 ms apart (tests/delay_router.py: this kernel has no ``netem``), after
+a TCP round trip between two hosts shows the delay is there."""
 
 from __future__ import annotations
 
@@ -14,15 +15,13 @@ import sys
 
 import pytest
 
-from netns_hosts import HostsUnavailable, NamespaceHosts, start_cluster
+from netns_hosts import HostsUnavailable, NamespaceHosts, round_trip_ms, start_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ["actors", "reduce", "to_mesh", "compile", "from_dask", "dashboard", "hosts-table", "exit"]
 
 
-@pytest.fixture
-def hosts():
-    made = NamespaceHosts(4)
+def _started(made: NamespaceHosts):
     try:
         made.start()
     except HostsUnavailable as e:
@@ -33,7 +32,31 @@ def hosts():
         made.close()
 
 
+@pytest.fixture
+def hosts():
+    yield from _started(NamespaceHosts(4))
+
+
+@pytest.fixture
+def delayed_hosts():
+    yield from _started(NamespaceHosts(4, delay_ms=1.0))
+
+
 def test_a_mesh_over_namespace_hosts_gives_the_right_values_on_every_rank(hosts, tmp_path):
+    check_the_mesh(hosts, tmp_path)
+
+
+def test_a_mesh_over_hosts_1_ms_apart_gives_the_right_values_on_every_rank(delayed_hosts, tmp_path):
+    """Through the delay router, 1 ms each way: a TCP round trip from the controller's host to a worker host
+    takes at least 2 ms, and every check of the mesh still holds."""
+    trips = round_trip_ms(delayed_hosts, 1, 2, count=50)
+    assert len(trips) == 50 and min(trips) >= 2.0, trips
+    check_the_mesh(delayed_hosts, tmp_path)
+
+
+def check_the_mesh(hosts: NamespaceHosts, tmp_path) -> None:
+    """tests/hosts_controller.py over a cluster on hosts 2 and 3 (2 workers each), from host 1: every check passed,
+    every rank answered from its own host, and nothing failed on the way."""
     address = start_cluster(hosts, [2, 3], 2, log_dir=str(tmp_path))
     proc = hosts.run(1, [sys.executable, os.path.join(HERE, "hosts_controller.py"), address, "2", "2"],
                      timeout=240, capture_output=True, text=True, cwd=str(tmp_path))
@@ -50,9 +73,17 @@ def test_a_mesh_over_namespace_hosts_gives_the_right_values_on_every_rank(hosts,
     assert actors == [hosts.address(2)] * 2 + [hosts.address(3)] * 2, actors
 
 
-def test_namespace_hosts_are_gone_after_close():
-    """``close`` deletes every namespace it made and ends the processes started in them."""
-    made = NamespaceHosts(2, tag=f"dmc{os.getpid()}")
+def test_a_bad_delay_or_mtu_is_refused_by_name():
+    with pytest.raises(ValueError, match="delay_ms"):
+        NamespaceHosts(2, delay_ms=-1)
+    with pytest.raises(ValueError, match="mtu"):
+        NamespaceHosts(2, delay_ms=0.1, mtu=100)
+
+
+@pytest.mark.parametrize("delay_ms", [None, 0.5], ids=["bridge", "router"])
+def test_namespace_hosts_are_gone_after_close(delay_ms):
+    """``close`` deletes every namespace it made and ends the processes started in them (the delay router too)."""
+    made = NamespaceHosts(2, tag=f"dmc{os.getpid()}", delay_ms=delay_ms)
     try:
         made.start()
     except HostsUnavailable as e:
@@ -66,5 +97,8 @@ def test_namespace_hosts_are_gone_after_close():
     finally:
         made.close()
     assert sleeper.poll() is not None
+    if delay_ms is not None:  # the router ended, saying what it forwarded: at least the handshake's packets
+        assert made.router_report.startswith("delay_router: forwarded"), made.router_report
+        assert int(made.router_report.split()[2]) >= 2, made.router_report
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert made.tag not in listed, listed
