@@ -11,7 +11,7 @@ packets), and goes back to its own namespace; the fds keep working from there. I
 device exists (the caller then gives each its address, its MTU and ``up`` with ``ip``). Then one loop (stdlib
 ``selectors``): every IPv4 packet read from a host's TUN is held until ``its arrival + delay`` in a heap and then
 written to the TUN of the namespace that owns its destination address; a packet to any other address, and any
-packet that is not IPv4, is dropped (counted). The heap's earliest deadline is the selector's timeout; the
+packet that is not IPv4 (the kernel's IPv6 link-local traffic when a device comes up), is dropped (counted). The heap's earliest deadline is the selector's timeout; the
 selector is ``select(2)``, whose timeout has microsecond resolution (``epoll`` rounds it up to milliseconds),
 and the process asks for 1 us timer slack (``prctl(PR_SET_TIMERSLACK)``; the default is 50 us). Equal delays
 keep each flow's order (the heap breaks ties by arrival).
@@ -19,7 +19,8 @@ keep each flow's order (the heap breaks ties by arrival).
 So a packet between two hosts takes ``delay`` plus this process's own time (a read, a heap push and pop, a
 write: its cost is in docs/clusters.md); a round trip takes at least ``2 * delay``. The devices are not
 persistent: they go when this process ends, however it ends; on SIGTERM it prints its counters (``forwarded``,
-``dropped``, the most packets held at once) to stderr and exits.
+``dropped`` (IPv4 to no host, or refused by the receiving device), ``not-IPv4``, the most packets held at once) to
+stderr and exits.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Router:
             self.selector.register(fd, selectors.EVENT_READ)
         self.held: list[tuple[float, int, int, bytes]] = []  # (due, arrival order, out fd, packet)
         self.order = 0
-        self.forwarded = self.dropped = self.most_held = 0
+        self.forwarded = self.dropped = self.not_ipv4 = self.most_held = 0
 
     def _read(self, fd: int, now: float) -> None:
         while True:
@@ -98,7 +99,10 @@ class Router:
                 packet = os.read(fd, self.mtu + 64)
             except BlockingIOError:
                 return
-            out = self.by_address.get(packet[16:20]) if len(packet) >= 20 and packet[0] >> 4 == 4 else None
+            if len(packet) < 20 or packet[0] >> 4 != 4:
+                self.not_ipv4 += 1
+                continue
+            out = self.by_address.get(packet[16:20])
             if out is None:
                 self.dropped += 1
             elif self.delay <= 0:
@@ -150,8 +154,8 @@ def main() -> None:
     router = Router(tuns, args.delay_ms / 1e3, args.mtu)
 
     def stop(signum, frame):
-        print(f"delay_router: forwarded {router.forwarded} dropped {router.dropped} most held "
-              f"{router.most_held}", file=sys.stderr, flush=True)
+        print(f"delay_router: forwarded {router.forwarded} dropped {router.dropped} not-IPv4 {router.not_ipv4} "
+              f"most held {router.most_held}", file=sys.stderr, flush=True)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)

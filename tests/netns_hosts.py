@@ -330,17 +330,27 @@ def main() -> None:
     parser.add_argument("--worker-hosts", type=int, default=2)
     parser.add_argument("--workers-per-host", type=int, default=2)
     parser.add_argument("--log-dir", default=None, help="where the scheduler's and workers' output goes")
+    parser.add_argument("--delay-ms", type=float, default=None,
+                        help="one-way delay between the hosts (tests/delay_router.py); default: the bridge, no delay")
+    parser.add_argument("--mtu", type=int, default=9000, help="the router's TUN devices' MTU (with --delay-ms)")
     args, rest = parser.parse_known_args()
+    import statistics
     import tempfile
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="netns-hosts-")
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "hosts.py")
-    with NamespaceHosts(2 + args.worker_hosts) as hosts:
+    with NamespaceHosts(2 + args.worker_hosts, delay_ms=args.delay_ms, mtu=args.mtu) as hosts:
+        trips = sorted(round_trip_ms(hosts, 1, 2, count=200))
+        print(f"{'bridge' if args.delay_ms is None else f'delay router, {args.delay_ms:g} ms one way'}: TCP round "
+              f"trip host 1 -> host 2 p50 {statistics.median(trips):.3f} ms  p90 {trips[len(trips) * 9 // 10]:.3f}"
+              f"  min {trips[0]:.3f}", flush=True)
         address = start_cluster(hosts, list(range(2, 2 + args.worker_hosts)), args.workers_per_host,
                                 log_dir=log_dir)
         dims = ["--dims", f"host={args.worker_hosts}", f"gpu={args.workers_per_host}"]
         proc = hosts.popen(1, [sys.executable, bench, address, *dims, *rest])
         code = proc.wait()
+    if hosts.router_report:
+        print(hosts.router_report, file=sys.stderr)
     print(f"logs: {log_dir}", file=sys.stderr)
     sys.exit(code)
 

@@ -102,3 +102,48 @@ def test_namespace_hosts_are_gone_after_close(delay_ms):
         assert int(made.router_report.split()[2]) >= 2, made.router_report
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert made.tag not in listed, listed
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (its parent died, and this container's init may not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_run_leaves_no_router_and_the_next_start_removes_its_namespaces():
+    """SIGKILL of the process that made delayed hosts: its router ends at once (``PR_SET_PDEATHSIG``), taking the
+    TUN devices with it, and the next ``start`` deletes the namespaces left behind."""
+    import select
+    import signal
+    import time
+
+    from netns_hosts import _remove_stale
+
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from netns_hosts import NamespaceHosts, HostsUnavailable\n"
+            "h = NamespaceHosts(2, delay_ms=1.0)\n"
+            "try:\n    h.start()\nexcept HostsUnavailable as e:\n    print('unavailable', e, flush=True); sys.exit()\n"
+            "print(h.tag, h.procs[0].pid, flush=True); time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, HERE], stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the hosts were not made within 60 s"
+        line = proc.stdout.readline().split()
+        if line[:1] == ["unavailable"]:
+            pytest.skip(f"no namespace hosts on this machine: {' '.join(line[1:])}")
+        tag, router = line[0], int(line[1])
+        assert not _ended(router)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while not _ended(router) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(router), f"the router (pid {router}) outlived its run by 10 s"
+    assert tag in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    _remove_stale()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag not in listed, listed
