@@ -59,8 +59,9 @@ def open_tun(netns: str) -> int:
     """A non-blocking fd of a new TUN device ``eth0`` made inside the network namespace ``netns`` (a name of
     ``ip netns``); this process stays in its own namespace. Raises ``OSError`` naming the namespace."""
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    target = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    target = -1
     try:
+        target = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
         setns(target)
         try:
             fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
@@ -72,10 +73,12 @@ def open_tun(netns: str) -> int:
         finally:
             setns(home)
     except OSError as e:
-        raise OSError(e.errno, f"TUN device {DEVICE} in namespace {netns}: {e.strerror or e}") from None
+        where = f" ({e.filename})" if e.filename else ""
+        raise OSError(e.errno, f"TUN device {DEVICE} in namespace {netns}: {e.strerror or e}{where}") from None
     finally:
         os.close(home)
-        os.close(target)
+        if target >= 0:
+            os.close(target)
     return fd
 
 
@@ -148,8 +151,11 @@ def main() -> None:
     tuns = {}
     for spec in args.hosts:
         netns, _, address = spec.partition("=")
-        socket.inet_aton(address)  # raises on a bad address
-        tuns[address] = open_tun(netns)
+        try:
+            socket.inet_aton(address)
+            tuns[address] = open_tun(netns)
+        except OSError as e:  # a bad address, or the kernel refused the device: one line for the caller
+            sys.exit(f"delay_router: {spec}: {e.strerror or e}")
     _libc.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
     router = Router(tuns, args.delay_ms / 1e3, args.mtu)
 

@@ -116,8 +116,8 @@ class NamespaceHosts:
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
             self.close()
             detail = getattr(e, "stderr", None) or str(e)
-            raise HostsUnavailable(f"the kernel refused: {' '.join(getattr(e, 'cmd', []) or [])}: "
-                                   f"{str(detail).strip()}") from None
+            cmd = " ".join(getattr(e, "cmd", None) or [])
+            raise HostsUnavailable(f"the kernel refused: {cmd + ': ' if cmd else ''}{str(detail).strip()}") from None
         return self
 
     def _start_router(self) -> None:

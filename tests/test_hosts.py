@@ -83,6 +83,17 @@ def test_a_bad_delay_or_mtu_is_refused_by_name():
         NamespaceHosts(2, delay_ms=0.1, mtu=100)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux only")
+def test_the_router_names_the_namespace_it_could_not_open_a_device_in():
+    """What ``NamespaceHosts.start`` reports (as ``HostsUnavailable``, so the tests skip saying it) where the router
+    cannot make a host's TUN device: one line naming the host, the namespace and the kernel's error."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "delay_router.py"), "--delay-ms", "1",
+                           "dm-no-such-ns=10.231.0.10"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == ("delay_router: dm-no-such-ns=10.231.0.10: TUN device eth0 in namespace "
+                                   "dm-no-such-ns: No such file or directory (/var/run/netns/dm-no-such-ns)"), proc.stderr
+
+
 @pytest.mark.parametrize("delay_ms", [None, 0.5], ids=["bridge", "router"])
 def test_namespace_hosts_are_gone_after_close(delay_ms):
     """``close`` deletes every namespace it made and ends the processes started in them (the delay router too)."""
