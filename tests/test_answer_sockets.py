@@ -22,6 +22,7 @@ from conftest import wait_until
 from dask_monarch.controller import sockets as controller_sockets
 from dask_monarch.protocol import frames
 from dask_monarch.worker.plugin import PLUGIN_NAME
+from processes import sigstop
 
 TIMEOUT = 60
 
@@ -162,7 +163,7 @@ def test_a_stopped_worker_never_blocks_a_flush_for_longer_than_the_send_bound(mo
             victim = mesh.workers[1]
             victim_pid = client.run(os.getpid, workers=[victim])[victim]
             blob = bytes(64 * 2**20)  # an argument of 64 MiB: more than the socket buffers hold
-            os.kill(victim_pid, signal.SIGSTOP)
+            sigstop(victim_pid)
             try:
                 start = time.monotonic()
                 with mesh.activate():

@@ -17,6 +17,7 @@ import pytest
 import dask_monarch as dm
 from conftest import wait_until
 from dask_monarch.controller.task_keys import session_tag
+from processes import sigstop
 
 
 def sleep_on_rank_one(mesh, seconds):
@@ -117,7 +118,7 @@ def test_a_busy_rank_that_stops_during_exit_fails_it_within_the_heartbeat_bound(
         dm.remote(sleep_on_rank_one, propagate="inspect")(mesh, 20)
     victim = mesh.workers[1]
     victim_pid = client2.run(pid)[victim]
-    os.kill(victim_pid, signal.SIGSTOP)
+    sigstop(victim_pid)
     try:
         start = time.monotonic()
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat"):

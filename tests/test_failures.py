@@ -19,6 +19,7 @@ from distributed import Client, LocalCluster
 import dask_monarch as dm
 from conftest import wait_until
 from dask_monarch.worker.plugin import sync_batch
+from processes import sigstop
 
 
 def slow_add(x):
@@ -106,7 +107,7 @@ def test_fetch_timeout_with_a_stopped_worker_is_honoured_and_names_the_worker(fr
     assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
     victim = mesh.workers[1]
     victim_pid = client.run(pid)[victim]
-    os.kill(victim_pid, signal.SIGSTOP)
+    sigstop(victim_pid)
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError) as info:
@@ -134,7 +135,7 @@ def test_stopped_worker_during_a_reduce_fails_the_session_naming_it(fresh_client
     total = dm.remote(slow_add)(x).reduce("dp", "sum")
     future = dm.fetch_shard(total)
     time.sleep(1)  # both ranks are in slow_add; rank 0 goes on into the all-reduce
-    os.kill(victim_pid, signal.SIGSTOP)
+    sigstop(victim_pid)
     try:
         start = time.monotonic()
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat") as info:
@@ -199,7 +200,7 @@ def test_exit_returns_when_the_scheduler_stops_answering(cli_cluster_procs, chan
     x = dm.remote(torch.add)(mesh.rank("dp"), 1)
     assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
     scheduler = procs[0]
-    os.kill(scheduler.pid, signal.SIGSTOP)
+    sigstop(scheduler.pid)
     try:
         start = time.monotonic()
         if channel:
@@ -260,7 +261,7 @@ def test_exit_with_a_stopped_worker_raises_naming_it(fresh_client2):
     assert dm.fetch_shard(x, dp=1).result(timeout=60).item() == 2
     victim = mesh.workers[1]
     victim_pid = client.run(pid)[victim]
-    os.kill(victim_pid, signal.SIGSTOP)
+    sigstop(victim_pid)
     try:
         start = time.monotonic()
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\) has sent no heartbeat"):

@@ -22,6 +22,7 @@ from distributed import Client
 
 import dask_monarch as dm
 from conftest import _cli_cluster, wait_until
+from processes import sigstop
 
 MIB = 2**20
 PER_RANK = 100 * MIB  # each session's tensor, per rank (its reduce's result is as large again)
@@ -231,7 +232,7 @@ def test_with_a_stopped_peer_the_survivor_aborts_its_groups_and_frees_them_at_on
     total = dm.remote(lambda t: (time.sleep(2), t + 1)[1], propagate=lambda t: torch.empty_like(t))(x).reduce("dp", "sum")
     future = dm.fetch_shard(total)
     time.sleep(1)  # both ranks are sleeping; rank 0 then enters the all-reduce alone
-    os.kill(victim_pid, signal.SIGSTOP)
+    sigstop(victim_pid)
     try:
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({victim}\)"):
             future.result(timeout=200)
@@ -302,7 +303,7 @@ def test_with_a_stopped_sender_the_receiver_aborts_its_groups_and_frees_them_at_
         late = dm.remote(lambda: (time.sleep(2), torch.ones(4))[1], propagate=lambda: torch.empty(4))()
     future = dm.fetch_shard(late.to_mesh(first))
     time.sleep(1)  # the sender sleeps; the receiver waits in its receive
-    os.kill(sender_pid, signal.SIGSTOP)
+    sigstop(sender_pid)
     try:
         with pytest.raises(dm.SessionError, match=rf"rank 1 \({sender}\)"):
             future.result(timeout=200)
