@@ -24,6 +24,7 @@ from distributed import Client
 import dask_monarch as dm
 from dask_monarch.cluster import cluster_workers
 from conftest import _cli_cluster, _free_port, wait_until
+from processes import sigstop
 
 TIMEOUT = 120
 
@@ -286,14 +287,14 @@ def test_a_to_mesh_under_way_when_its_peer_is_killed_is_abandoned_at_once(cli_cl
         big = dm.remote(lambda: (time.sleep(3), torch.ones(32 * MIB))[1], propagate=lambda: torch.empty(32 * MIB))()
     future = dm.fetch_shard(big.to_mesh(slices[receiver])[:1])
     assert wait_until(lambda: _transferring(client, sid, mesh.workers[receiver]), 30)  # its receive is posted
-    os.kill(pids[receiver], signal.SIGSTOP)  # the sender's write fills the socket's buffers and waits there
+    sigstop(pids[receiver])  # the sender's write fills the socket's buffers and waits there
     try:
         assert wait_until(lambda: _transferring(client, sid, mesh.workers[sender]), 30)
         time.sleep(0.5)
         if survivor_sends:
             os.kill(pids[1], signal.SIGKILL)  # the receiver, mid-receive
         else:
-            os.kill(pids[1], signal.SIGSTOP)  # the sender, mid-send
+            sigstop(pids[1])  # the sender, mid-send
             os.kill(pids[0], signal.SIGCONT)  # the receiver reads what was sent, then waits for the rest
             time.sleep(0.5)
             os.kill(pids[1], signal.SIGKILL)
