@@ -92,3 +92,61 @@ def test_a_killed_leader_fails_the_session_naming_its_worker():
             assert time.monotonic() - start < heartbeat
             assert "relay" in str(info.value)
             mesh.exit()  # already reported: exit cleans up without raising
+
+
+def test_the_frame_reader_completes_frames_from_any_split_and_checks_the_limit():
+    """``frames.FrameReader`` (the relay's one selector thread reads every rank with it): frames written by
+    ``send_frame`` and delivered in pieces of any size (here 7 bytes, and 64 KiB) come back whole and in order,
+    out-of-band tensor buffers included (an empty one too); the frames before an EOF are kept and then ``EOFError``
+    is raised; a header that declares more than the limit raises ``FrameTooLarge`` before anything is allocated."""
+    import selectors
+    import socket
+
+    from dask_monarch.protocol import tensor_bytes
+    from dask_monarch.protocol.frames import HEADER, FrameReader, FrameTooLarge, send_frame
+
+    x = torch.arange(2**17, dtype=torch.int64)  # 1 MiB: its memory out of band (``tensor_bytes.OUT_OF_BAND``)
+    sent = [{"c": 0, "d": b"status"}, {"c": 1, "d": tensor_bytes.dumps((1, [x, torch.empty(0)]))}, {"x": True}]
+    for piece in (7, 2**16):
+        a, b = socket.socketpair()
+        wire = []
+
+        class _Sink:  # what send_frame writes, kept to be delivered in pieces
+            def settimeout(self, t):
+                pass
+
+            def sendall(self, data):
+                wire.append(bytes(data))
+
+        for msg in sent:
+            send_frame(_Sink(), msg, 10.0)
+        data = b"".join(wire)
+        b.setblocking(False)
+        reader, got = FrameReader(b, 2**24), []
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(b, selectors.EVENT_READ)
+                for start in range(0, len(data), piece):
+                    a.sendall(data[start:start + piece])
+                    if selector.select(1.0):
+                        reader.read(got)
+                a.close()
+                with pytest.raises(EOFError):
+                    while selector.select(1.0):
+                        reader.read(got)
+        finally:
+            b.close()
+        assert [m.get("c") for m in got] == [0, 1, None] and got[0]["d"] == b"status" and got[2] == {"x": True}
+        assert type(sent[1]["d"]) is tensor_bytes.OutOfBand
+        n, (tensor, empty) = got[1]["d"]
+        assert n == 1 and torch.equal(tensor, x) and empty.numel() == 0
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(2**40, 0))
+        b.setblocking(False)
+        time.sleep(0.1)
+        with pytest.raises(FrameTooLarge, match=r"declares 1099511627776 bytes, more than this session can receive"):
+            FrameReader(b, 2**20).read([])
+    finally:
+        a.close()
+        b.close()
