@@ -372,6 +372,8 @@ class Transport:
         that came already is ignored."""
         if type(blob) is tuple:
             chunk, messages = blob
+        elif type(blob) is int:  # a relayed rank's chunk of Status alone (``Outbox._take``), if its relay was lost
+            chunk, messages = None, [Status(blob, self.workers[rank])]
         else:
             try:
                 chunk, messages = pickle.loads(blob)

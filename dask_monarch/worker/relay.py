@@ -22,7 +22,8 @@ relay's):
   ``("s", seq)`` every rank of the host has passed ``seq`` (the minimum of their ``Status``), ``("x", rank, seq)`` the
   session ended on that rank, ``("l", rank, why)`` that rank's sockets broke.
 
-A chunk of ``Status`` alone is absorbed here; one of ``Status`` and ``FetchResult`` waits for the next ``("s",
+A chunk of ``Status`` alone is absorbed here (a relayed rank sends it as its seq alone, an ``int``: nothing to
+unpickle); one of ``Status`` and ``FetchResult`` waits for the next ``("s",
 seq)``, so that a fetch costs the controller one answer per host; anything else (a failure) goes at once, with
 what waited before it. Nothing is acknowledged: a relayed rank's outbox keeps no chunk (``Outbox.push``), since
 the relay is the only way its answers travel and the controller fails the session when the relay's sockets break
@@ -50,6 +51,7 @@ RELAY_OP = "monarch_relay"
 #: seconds to connect to a local rank's answer sockets
 CONNECT_TIMEOUT = 10.0
 _HELD = (Status, FetchResult)
+_STATUS = frozenset({Status})
 
 
 class _RankLink:
@@ -220,17 +222,16 @@ class HostRelay:
                             self.lost(link.rank, why)
         self.close()  # every rank's sockets closed: the relay ends with the last one
 
-    def chunk(self, rank: int, blob: bytes) -> None:
-        """An answer chunk of ``rank`` (on its link's reader): absorbed, held or sent (the module's docstring)."""
-        try:
-            _, messages = blob if type(blob) is tuple else pickle.loads(blob)  # a tuple: it had out-of-band tensors
-            kinds = {type(m) for m in messages}
-            seqs = [m.seq for m in messages if type(m) is Status]
-        except Exception:  # a value whose class the relay cannot load: the controller reads it as before
-            kinds, seqs = {None}, []
+    def chunk(self, rank: int, blob) -> None:
+        """An answer chunk of ``rank`` (on the fan-in thread): absorbed, held or sent (the module's docstring). An
+        ``int`` is a chunk of ``Status`` alone, as a relayed rank sends it (``Outbox._take``): its highest seq."""
+        if type(blob) is int:
+            kinds, seqs = _STATUS, (blob,)
+        else:
+            kinds, seqs = self._read_chunk(blob)
         out = None
         with self._lock:
-            if kinds - {Status}:
+            if kinds - _STATUS:
                 self._held.append(("c", rank, blob))
             if seqs:
                 self._passed[rank] = max(self._passed[rank], max(seqs))
@@ -243,6 +244,17 @@ class HostRelay:
                 out, self._held = self._held, []
         if out:
             self.outbox.put(out)
+
+    @staticmethod
+    def _read_chunk(blob) -> tuple[set, list]:
+        """The message classes of a pickled answer chunk, and the seqs of its ``Status``."""
+        try:
+            _, messages = blob if type(blob) is tuple else pickle.loads(blob)  # a tuple: it had out-of-band tensors
+            kinds = {type(m) for m in messages}
+            seqs = [m.seq for m in messages if type(m) is Status]
+        except Exception:  # a value whose class the relay cannot load: the controller reads it as before
+            return {None}, []
+        return kinds, seqs
 
     def ended(self, rank: int) -> None:
         """``rank``'s session ended (its sockets closed after its last chunk): ``("x", rank, seq)`` with the last
