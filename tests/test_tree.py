@@ -150,3 +150,61 @@ def test_the_frame_reader_completes_frames_from_any_split_and_checks_the_limit()
     finally:
         a.close()
         b.close()
+
+
+def test_a_big_host_gets_sub_relays_and_a_failure_under_one_names_its_rank(client4):
+    """Dask config ``monarch.relay-fanout`` 2 on a host of 4 ranks: the host relay on rank 0 serves ranks 0 and 1
+    itself and ranks 2 and 3 through a sub-relay on rank 2 (``tree.split_host``). Each rank still gets its own
+    batches (a value per rank), a fetch still costs the controller one answer for the host, a 4 MiB value crosses
+    both relays, and a failure on rank 3 reaches the controller once, naming rank 3 and its worker."""
+    with dask.config.set({"monarch.relay-fanout": 2}):
+        mesh = dm.attach(client4, dims={"dp": 4}, comm_timeout=60, record_answers=True)
+    with mesh:
+        channels = mesh._session.channels
+        link = channels.relays[0]
+        assert channels.relays == [link] * 4 and link.sub_relay == {2: 2, 3: 2}
+        assert channels.links == [None] * 4
+        with mesh.activate():
+            x = mesh.rank("dp") * 10 + torch.arange(3.0)
+        assert [dm.inspect(x, dp=r).tolist() for r in range(4)] == [[10.0 * r + k for k in range(3)] for r in range(4)]
+        before = channels.host_chunks[0]
+        for i in range(20):
+            assert dm.inspect(x, dp=i % 4)[0].item() == 10.0 * (i % 4)
+        assert channels.host_chunks[0] - before == 20 and channels.socket_chunks == [0] * 4
+        with mesh.activate():
+            big = torch.arange(2.0**20) + mesh.rank("dp")
+            y = torch.rand(3, 4)
+            z = bogus(y, torch.rand(3, 4), mesh.rank("dp"), fail_rank=3)
+            a = z + y
+        assert torch.equal(dm.inspect(big, dp=3), torch.arange(2.0**20) + 3)
+        with pytest.raises(dm.RemoteException, match="do_bogus_tensor_work") as info:
+            dm.fetch_shard(a, dp=0).result(timeout=TIMEOUT)
+        assert info.value.rank == 3 and info.value.worker == mesh.workers[3]
+        failed = [rank for rank, m in mesh._session.answers if isinstance(m, RemoteFunctionFailed)]
+        assert failed == [3]
+
+
+def test_a_bad_relay_fanout_is_refused_naming_the_key(client2):
+    with dask.config.set({"monarch.relay-fanout": 1}):
+        with pytest.raises(ValueError, match=r"monarch\.relay-fanout must be an integer of 2 or more, got 1"):
+            dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+
+
+def test_a_killed_sub_relay_fails_the_session_naming_its_worker():
+    with LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+        with Client(cluster) as client:
+            heartbeat = 20.0
+            with dask.config.set({"monarch.relay-fanout": 2}):
+                mesh = dm.attach(client, dims={"dp": 4}, comm_timeout=60, heartbeat_timeout=heartbeat)
+            assert mesh._session.channels.relays[3].sub_relay == {2: 2, 3: 2}
+            with mesh.activate():
+                x = mesh.rank("dp") + torch.zeros(2)
+            assert dm.inspect(x, dp=3).tolist() == [3.0, 3.0]
+            future = dm.fetch_shard(dm.remote(slow, propagate=lambda x: x)(x), dp=0)  # waits on every rank
+            sub = mesh.workers[2]
+            os.kill(client.run(os.getpid, workers=[sub])[sub], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(dm.SessionError, match=r"rank 2 \(" + sub):
+                future.result(timeout=120)
+            assert time.monotonic() - start < heartbeat
+            mesh.exit()  # already reported: exit cleans up without raising

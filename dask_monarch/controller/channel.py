@@ -34,7 +34,7 @@ from distributed.comm import connect
 
 from ..worker.channel import CHANNEL_OP
 from .sockets import SocketLink
-from .tree import start_relays
+from .tree import relay_fanout, start_relays
 
 __all__ = ["Channels", "MODES"]
 
@@ -63,6 +63,7 @@ class Channels:
         #: with ``tree``: each rank's ``HostLink`` (``tree.py``) when its host's relay carries its batches and answers
         self.relays: list = [None] * session.world_size
         self.tree = tree and mode == "socket"
+        self.fanout = relay_fanout() if self.tree else 0  # Dask config monarch.relay-fanout (``ValueError``)
         #: per leader rank: the answer chunks its host's relay sent (one per fetch, for the whole host)
         self.host_chunks = [0] * session.world_size
         self._made: list = []  # every SocketLink made, lost ones included: joined at close

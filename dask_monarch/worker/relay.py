@@ -52,18 +52,24 @@ RELAY_OP = "monarch_relay"
 CONNECT_TIMEOUT = 10.0
 _HELD = (Status, FetchResult)
 _STATUS = frozenset({Status})
+#: the last entry of what a relay sends at once (not held for the host's minimum): a sub-relay's parent sends it on
+#: at once too (``HostRelay.below``); the controller ignores it
+_AT_ONCE = ("!",)
 
 
 class _RankLink:
     """The relay's connection to one local rank's answer sockets (the controller's end, ``controller/sockets.py``):
     the down socket is written by the relay's fan-out, the up socket read by its one fan-in thread (non-blocking)."""
 
-    def __init__(self, relay, rank: int, offer: dict, ssl_context):
-        self.rank = rank
+    def __init__(self, relay, rank: int, offer: dict, ssl_context, ranks: list | None = None):
+        self.rank = rank  # the rank, or a sub-relay's leader
+        self.ranks = ranks  # a sub-relay's ranks; None for a rank
+        self.done: set = set()  # the ranks of a sub-relay whose session ended (their ("x", rank, seq) came)
         self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
         self.lock = threading.Lock()  # writes on the down socket
         self.ended = False
-        self.send({"r": True})  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
+        if ranks is None:  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
+            self.send({"r": True})
         self.up.setblocking(False)
         self.reader = FrameReader(self.up, relay.limit)
 
@@ -151,25 +157,31 @@ class HostRelay:
     their ``("x", rank)`` went first) or the controller's broke. Raises ``OSError`` if a rank's sockets cannot be
     connected."""
 
-    def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl, limit: int):
+    def __init__(self, session_id: str, leader: int, offers: dict, host: str, ssl_context, client_ssl, limit: int,
+                 children: dict | None = None):
         self.session_id = session_id
         self.limit = limit  # the most bytes a frame may declare (``frames.receivable``)
         self.tag = session_tag(session_id)
         self.leader = leader
         self._lock = threading.Lock()
-        self._passed = {rank: 0 for rank in offers}  # each rank's last Status seq
+        self._passed = {rank: 0 for rank in [*offers, *(children or {})]}  # each rank's (sub-relay's) last seq
         self._low = 0  # the last ("s", seq) sent
         self._held: list = []  # entries waiting for the next ("s", seq)
         self._closed = False
         self.outbox = _RelayOutbox()
-        self.links: dict[int, _RankLink] = {}
+        self.links: dict[int, _RankLink] = {}  # this relay's own ranks
+        self.children: dict[int, _RankLink] = {}  # sub-relays, by their leader
+        self._child_of: dict[int, _RankLink] = {}  # each rank of a sub-relay -> its link
         try:
             for rank in sorted(offers):
                 self.links[rank] = _RankLink(self, rank, offers[rank], client_ssl)
+            for rank, child in sorted((children or {}).items()):
+                link = self.children[rank] = _RankLink(self, rank, child["offer"], client_ssl, list(child["ranks"]))
+                self._child_of.update(dict.fromkeys(link.ranks, link))
             self.end = SocketEnd(session_id, leader, _RelayInbox(self), self.outbox, host, ssl_context,
                                  self._controller_lost, limit)
         except BaseException:
-            for link in self.links.values():
+            for link in [*self.links.values(), *self.children.values()]:
                 link.end()
             raise
         self.offer = self.end.offer
@@ -179,16 +191,24 @@ class HostRelay:
 
     # ------------------------------------------------------------------------------------------------ fan-out
     def forward(self, batches, segments) -> None:
-        """Write each rank's batch of one flush on its down socket, in the order given (on the down reader)."""
+        """Write each rank's batch of one flush on its down socket, in the order given, and each sub-relay's ranks'
+        batches in one frame (on the down reader)."""
+        below: dict = {}
         for rank, batch, indices in batches:
             link = self.links.get(rank)
-            if link is None:
-                continue
-            try:
-                link.send({"b": batch, "s": [segments[i] for i in indices]})
-            except OSError as e:
-                logger.debug("dask_monarch: relay %s: rank %d's socket broke: %s", self.tag, rank, e)
-                link.close()  # its reader reports it
+            if link is not None:
+                self._send(link, {"b": batch, "s": [segments[i] for i in indices]})
+            elif rank in self._child_of:
+                below.setdefault(self._child_of[rank], []).append((rank, batch, indices))
+        for link, sub in below.items():
+            self._send(link, {"b": sub, "s": segments})
+
+    def _send(self, link: _RankLink, msg: dict) -> None:
+        try:
+            link.send(msg)
+        except OSError as e:
+            logger.debug("dask_monarch: relay %s: rank %d's socket broke: %s", self.tag, link.rank, e)
+            link.close()  # the fan-in thread reports it
 
     # ------------------------------------------------------------------------------------------------- fan-in
     def _fan_in(self) -> None:
@@ -197,9 +217,9 @@ class HostRelay:
         (``frames.FrameReader``). One thread instead of one per rank: at 8 ranks on 2 cores the per-rank threads
         cost the leader about 85 us of CPU each per fetch, in wake-ups and GIL hand-overs (BENCHMARKS.md)."""
         with selectors.DefaultSelector() as selector:
-            for link in self.links.values():
+            for link in [*self.links.values(), *self.children.values()]:
                 selector.register(link.up, selectors.EVENT_READ, link)
-            left = len(self.links)
+            left = len(self.links) + len(self.children)
             while left:
                 for key, _ in selector.select():
                     link, frames, why = key.data, [], None
@@ -211,6 +231,8 @@ class HostRelay:
                         if "x" in msg:
                             link.ended = True
                             self.ended(link.rank)
+                        elif link.ranks is not None:
+                            self.below(link, msg["d"])
                         else:  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
                             self.chunk(link.rank, msg["d"])
                     frames = msg = None  # a fetched tensor is the controller's: not kept here until the next read
@@ -218,7 +240,10 @@ class HostRelay:
                         selector.unregister(link.up)
                         link.end()
                         left -= 1
-                        if not link.ended:
+                        if link.ranks is not None:  # every rank under it not yet ended is lost with it
+                            for rank in [r for r in link.ranks if r not in link.done]:
+                                self.lost(rank, f"its sub-relay on rank {link.rank} closed ({why})")
+                        elif not link.ended:
                             self.lost(link.rank, why)
         self.close()  # every rank's sockets closed: the relay ends with the last one
 
@@ -241,7 +266,7 @@ class HostRelay:
                 self._held.append(("s", low))
                 out, self._held = self._held, []
             elif kinds - set(_HELD):
-                out, self._held = self._held, []
+                out, self._held = self._held + [_AT_ONCE], []
         if out:
             self.outbox.put(out)
 
@@ -270,8 +295,39 @@ class HostRelay:
 
     def _now(self, entry) -> None:
         with self._lock:
-            out, self._held = self._held + [entry], []
+            out, self._held = self._held + [entry, _AT_ONCE], []
         self.outbox.put(out)
+
+    def below(self, link: _RankLink, blob) -> None:
+        """An answer chunk of the sub-relay ``link`` (on the fan-in thread): its ``("s", seq)`` stands for all its
+        ranks; the rest is held with this relay's own until this host's minimum moves, or goes at once if the
+        sub-relay sent it at once (``_AT_ONCE``: a failure, a rank's end or loss)."""
+        entries = blob if type(blob) is list else pickle.loads(blob)  # a list: it had out-of-band tensors
+        seq, now, keep = None, False, []
+        for entry in entries:
+            kind = entry[0]
+            if kind == "s":
+                seq = entry[1]
+            elif kind == "!":
+                now = True
+            else:
+                if kind == "x":
+                    link.done.add(entry[1])
+                keep.append(entry)
+        out = None
+        with self._lock:
+            self._held.extend(keep)
+            if seq is not None:
+                self._passed[link.rank] = max(self._passed[link.rank], seq)
+            low = min(self._passed.values())
+            moved = low > self._low
+            if moved:
+                self._low = low
+                self._held.append(("s", low))
+            if moved or now:
+                out, self._held = self._held + ([_AT_ONCE] if now else []), []
+        if out:
+            self.outbox.put(out)
 
     # --------------------------------------------------------------------------------------------------- end
     def _controller_lost(self, error) -> None:
@@ -282,6 +338,6 @@ class HostRelay:
     def close(self) -> None:
         self._closed = True
         self.end.close()
-        for link in self.links.values():
+        for link in [*self.links.values(), *self.children.values()]:
             link.close()
 
