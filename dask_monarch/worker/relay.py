@@ -216,36 +216,41 @@ class HostRelay:
         it for whatever arrived, from any number of ranks at once, and each rank's frames are taken in order
         (``frames.FrameReader``). One thread instead of one per rank: at 8 ranks on 2 cores the per-rank threads
         cost the leader about 85 us of CPU each per fetch, in wake-ups and GIL hand-overs (BENCHMARKS.md)."""
-        with selectors.DefaultSelector() as selector:
-            for link in [*self.links.values(), *self.children.values()]:
-                selector.register(link.up, selectors.EVENT_READ, link)
-            left = len(self.links) + len(self.children)
-            while left:
-                for key, _ in selector.select():
-                    link, frames, why = key.data, [], None
-                    try:
-                        link.reader.read(frames)
-                    except Exception as e:  # closed (the rank's session ended, or ``close()``) or broken
-                        why = f"{type(e).__name__}: {e}"
-                    for msg in frames:
-                        if "x" in msg:
-                            link.ended = True
-                            self.ended(link.rank)
-                        elif link.ranks is not None:
-                            self.below(link, msg["d"])
-                        else:  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
-                            self.chunk(link.rank, msg["d"])
-                    frames = msg = None  # a fetched tensor is the controller's: not kept here until the next read
-                    if why is not None:
-                        selector.unregister(link.up)
-                        link.end()
-                        left -= 1
-                        if link.ranks is not None:  # every rank under it not yet ended is lost with it
-                            for rank in [r for r in link.ranks if r not in link.done]:
-                                self.lost(rank, f"its sub-relay on rank {link.rank} closed ({why})")
-                        elif not link.ended:
-                            self.lost(link.rank, why)
-        self.close()  # every rank's sockets closed: the relay ends with the last one
+        try:
+            with selectors.DefaultSelector() as selector:
+                for link in [*self.links.values(), *self.children.values()]:
+                    selector.register(link.up, selectors.EVENT_READ, link)
+                left = len(self.links) + len(self.children)
+                while left:
+                    for key, _ in selector.select():
+                        link, frames, why = key.data, [], None
+                        try:
+                            try:
+                                link.reader.read(frames)
+                            except Exception as e:  # closed (the rank's session ended, or ``close()``) or broken
+                                why = f"{type(e).__name__}: {e}"
+                            for msg in frames:
+                                if "x" in msg:
+                                    link.ended = True
+                                    self.ended(link.rank)
+                                elif link.ranks is not None:
+                                    self.below(link, msg["d"])
+                                else:  # no acknowledgement: a relayed rank keeps no chunk (``Outbox.push``)
+                                    self.chunk(link.rank, msg["d"])
+                        except Exception as e:  # a chunk this relay cannot read: that link counts as lost, not the rest
+                            why = f"{type(e).__name__}: {e}"
+                        frames = msg = None  # a fetched tensor is the controller's: not kept here until the next read
+                        if why is not None:
+                            selector.unregister(link.up)
+                            link.end()
+                            left -= 1
+                            if link.ranks is not None:  # every rank under it not yet ended is lost with it
+                                for rank in [r for r in link.ranks if r not in link.done]:
+                                    self.lost(rank, f"its sub-relay on rank {link.rank} closed ({why})")
+                            elif not link.ended:
+                                self.lost(link.rank, why)
+        finally:  # every rank's sockets closed (or a bug here): the relay ends, the controller hears it
+            self.close()
 
     def chunk(self, rank: int, blob) -> None:
         """An answer chunk of ``rank`` (on the fan-in thread): absorbed, held or sent (the module's docstring). An
