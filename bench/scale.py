@@ -18,7 +18,7 @@ changes by the minute). Each figure is printed with its ratio against the smalle
 host: sub-relays of 8 ranks under the host's relay, against one relay of all 64).
 
 Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
-[--answer-tree on|off|both] [--relay-fanout 8[,64...]]``.
+[--answer-tree on|off|both] [--relay-fanout 64[,8...]]``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Case:
     """One mesh of ``n`` ranks (the first ``n`` workers) with ``monarch.answer-tree`` ``tree`` and
     ``monarch.relay-fanout`` ``fanout``, and its samples."""
 
-    def __init__(self, client, n: int, tree: bool, fanout: int = 8):
+    def __init__(self, client, n: int, tree: bool, fanout: int = 64):
         self.n, self.tree = n, tree
         with dask.config.set({"monarch.answer-tree": tree, "monarch.relay-fanout": fanout}):
             start = time.perf_counter()
@@ -155,8 +155,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
     parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
                         help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
-    parser.add_argument("--relay-fanout", default="8",
-                        help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 8)")
+    parser.add_argument("--relay-fanout", default="64",
+                        help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 64)")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.ranks.split(",")]
     fanouts = [int(v) for v in args.relay_fanout.split(",")]
