@@ -7,7 +7,8 @@ Prints, in microseconds per call (min of 7 repeats of ``timeit``, in-process, no
 * the same under a trivial ``TorchDispatchMode`` (``func(*args, **kwargs)``): torch's dispatch into a Python mode;
 * ``torch.Tensor._make_wrapper_subclass`` of a 4x4 float32 wrapper (what ``Tensor.viewing`` makes per result);
 * the python-side operator of a trivial wrapper subclass with the mode above returning a new wrapper;
-* the loop itself (median of 5 rounds of ``--ops`` calls, synced after each round).
+* the loop itself (median and min of 5 rounds of ``--ops`` calls, synced after each round), and the CPU time of
+  the loop's thread alone (``time.thread_time``).
 
 With ``--cprofile FILE`` the loop runs one more round of ``--ops`` calls under cProfile, writes the stats to
 ``FILE`` (``pstats``) and prints the top 35 functions by own time. With ``--loop N`` it only runs ``N`` ops in the
@@ -104,14 +105,16 @@ def main() -> None:
                 one._session.sync("loop").result()
                 print(f"loop: {(time.perf_counter() - t0) / args.loop * 1e6:.1f} us/op", flush=True)
                 return
-            rounds = []
+            rounds, cpu = [], []
             for _ in range(5):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(args.ops):
                     x + x
                 rounds.append((time.perf_counter() - t0) / args.ops * 1e6)
+                cpu.append((time.thread_time() - c0) / args.ops * 1e6)
                 one._session.sync("r").result()
-            print(f"loop (us/op): median {statistics.median(rounds):.1f} min {min(rounds):.1f}", flush=True)
+            print(f"loop (us/op): median {statistics.median(rounds):.1f} min {min(rounds):.1f}; the loop's thread's "
+                  f"CPU time median {statistics.median(cpu):.1f} min {min(cpu):.1f}", flush=True)
             if args.cprofile:
                 prof = cProfile.Profile()
                 prof.enable()
