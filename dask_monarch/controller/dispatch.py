@@ -120,6 +120,8 @@ _function_modes = torch._C._is_torch_function_mode_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _transforms = torch._C._functorch.peek_interpreter_stack
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_PYTHON_KEY = torch._C.DispatchKey.Python
 _forward_ad = torch.autograd.forward_ad
 _profiler = torch.autograd.profiler
 
@@ -129,9 +131,10 @@ def operator_call(op, tensor: Tensor, other):
     dispatcher hands ``__torch_dispatch__`` for ``tensor + other`` and the like, ``other`` a remote ``Tensor`` or a
     Python int or float), sent to the mesh without going through torch, if torch would add nothing to it:
     ``tensor`` is exactly a ``Tensor``, no input needs autograd (or grad mode is off), no torch function mode,
-    no dispatch mode but ``MeshDispatchMode``, no functorch transform or forward-AD level, no profiler, not
-    propagating, and the call's plan is cached (``issue.call_cached``). Returns the result, or None where torch's
-    way must run (nothing sent then). Raises what the cached call raises (``TypeError`` DROPPED, WRONG_STREAM)."""
+    no dispatch mode but ``MeshDispatchMode``, no functorch transform or forward-AD level, no profiler, torch
+    dispatch not disabled, not propagating, and the call's plan is cached (``issue.call_cached``). (Autocast has
+    no rule for these ops.) Returns the result, or None where torch's way must run (nothing sent then). Raises
+    what the cached call raises (``TypeError`` DROPPED, WRONG_STREAM)."""
     kind = type(other)
     if kind is Tensor:
         if (tensor.requires_grad or other.requires_grad) and _grad_enabled():
@@ -142,7 +145,7 @@ def operator_call(op, tensor: Tensor, other):
     else:
         return None
     if (type(tensor) is not Tensor or _function_modes() or is_propagating() or _profiler._is_profiler_enabled
-            or _forward_ad._current_level >= 0 or _transforms() is not None):
+            or _forward_ad._current_level >= 0 or _transforms() is not None or _excluded(_PYTHON_KEY)):
         return None
     modes = _dispatch_modes()
     if modes and (modes > 1 or type(_dispatch_mode_at(0)) is not MeshDispatchMode):
