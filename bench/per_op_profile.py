@@ -8,7 +8,8 @@ Prints, in microseconds per call (min of 7 repeats of ``timeit``, in-process, no
 * ``torch.Tensor._make_wrapper_subclass`` of a 4x4 float32 wrapper (what ``Tensor.viewing`` makes per result);
 * the python-side operator of a trivial wrapper subclass with the mode above returning a new wrapper;
 * the loop itself (median and min of 5 rounds of ``--ops`` calls, synced after each round), and the CPU time of
-  the loop's thread alone (``time.thread_time``).
+  the loop's thread alone (``time.thread_time``); where dask_monarch has ``dispatch.operator_call`` (the operators'
+  shortcut past torch's dispatcher), its rounds alternate with rounds that go torch's way, in the same session.
 
 With ``--cprofile FILE`` the loop runs one more round of ``--ops`` calls under cProfile, writes the stats to
 ``FILE`` (``pstats``) and prints the top 35 functions by own time. With ``--loop N`` it only runs ``N`` ops in the
@@ -36,6 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dask_monarch as dm
 from dask_monarch.cluster import start_local_cluster
+from dask_monarch.controller.mesh import frontend
+
+
+def _torch_way(op, tensor, other):
+    """``frontend.operator_call`` that never takes the shortcut: every ``x + x`` goes through torch's dispatcher."""
+    return None
 
 
 class _Trivial(TorchDispatchMode):
@@ -105,16 +112,25 @@ def main() -> None:
                 one._session.sync("loop").result()
                 print(f"loop: {(time.perf_counter() - t0) / args.loop * 1e6:.1f} us/op", flush=True)
                 return
-            rounds, cpu = [], []
+            shortcut = getattr(frontend, "operator_call", None)
+            # a tree without the shortcut (main before it): its own way only
+            ways = {"shortcut": shortcut, "torch's way": _torch_way} if shortcut else {"no shortcut": None}
+            figures: dict = {way: ([], []) for way in ways}
             for _ in range(5):
-                t0, c0 = time.perf_counter(), time.thread_time()
-                for _ in range(args.ops):
-                    x + x
-                rounds.append((time.perf_counter() - t0) / args.ops * 1e6)
-                cpu.append((time.thread_time() - c0) / args.ops * 1e6)
-                one._session.sync("r").result()
-            print(f"loop (us/op): median {statistics.median(rounds):.1f} min {min(rounds):.1f}; the loop's thread's "
-                  f"CPU time median {statistics.median(cpu):.1f} min {min(cpu):.1f}", flush=True)
+                for way, fn in ways.items():  # alternating, the same session
+                    if shortcut:
+                        frontend.operator_call = fn
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    for _ in range(args.ops):
+                        x + x
+                    figures[way][0].append((time.perf_counter() - t0) / args.ops * 1e6)
+                    figures[way][1].append((time.thread_time() - c0) / args.ops * 1e6)
+                    one._session.sync("r").result()
+            if shortcut:
+                frontend.operator_call = shortcut
+            for way, (rounds, cpu) in figures.items():
+                print(f"loop, {way} (us/op): median {statistics.median(rounds):.1f} min {min(rounds):.1f}; the loop's "
+                      f"thread's CPU time median {statistics.median(cpu):.1f} min {min(cpu):.1f}", flush=True)
             if args.cprofile:
                 prof = cProfile.Profile()
                 prof.enable()
