@@ -121,6 +121,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _transforms = torch._C._functorch.peek_interpreter_stack
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_jit_tracing = torch._C._get_tracing_state
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _forward_ad = torch.autograd.forward_ad
 _profiler = torch.autograd.profiler
@@ -131,8 +132,8 @@ def operator_call(op, tensor: Tensor, other):
     dispatcher hands ``__torch_dispatch__`` for ``tensor + other`` and the like, ``other`` a remote ``Tensor`` or a
     Python int or float), sent to the mesh without going through torch, if torch would add nothing to it:
     ``tensor`` is exactly a ``Tensor``, no input needs autograd (or grad mode is off), no torch function mode,
-    no dispatch mode but ``MeshDispatchMode``, no functorch transform or forward-AD level, no profiler, torch
-    dispatch not disabled, not propagating, and the call's plan is cached (``issue.call_cached``). (Autocast has
+    no dispatch mode but ``MeshDispatchMode``, no functorch transform or forward-AD level, no profiler or JIT
+    tracer, torch dispatch not disabled, not propagating, and the call's plan is cached (``issue.call_cached``). (Autocast has
     no rule for these ops.) Returns the result, or None where torch's way must run (nothing sent then). Raises
     what the cached call raises (``TypeError`` DROPPED, WRONG_STREAM)."""
     kind = type(other)
@@ -145,7 +146,8 @@ def operator_call(op, tensor: Tensor, other):
     else:
         return None
     if (type(tensor) is not Tensor or _function_modes() or is_propagating() or _profiler._is_profiler_enabled
-            or _forward_ad._current_level >= 0 or _transforms() is not None or _excluded(_PYTHON_KEY)):
+            or _forward_ad._current_level >= 0 or _transforms() is not None or _excluded(_PYTHON_KEY)
+            or _jit_tracing() is not None):
         return None
     modes = _dispatch_modes()
     if modes and (modes > 1 or type(_dispatch_mode_at(0)) is not MeshDispatchMode):
