@@ -10,6 +10,7 @@ request/answer (``client.run(os.getpid)`` on one worker) is the baseline of the 
 On one machine, with the hosts as network namespaces (root)::
 
     python tests/netns_hosts.py            # 4 namespaces, stock dask scheduler/worker; runs this file in one
+    python tests/netns_hosts.py --delay-ms 1   # the same, the hosts 1 ms apart (tests/delay_router.py)
 
 Against any cluster::
 

@@ -18,6 +18,7 @@ from distributed.metrics import time as dask_time
 from distributed.scheduler import heartbeat_interval
 
 from ..worker.plugin import END_SESSION_OP
+from . import log_filter
 from .kv import KeyValueStore
 
 __all__ = ["MonarchSchedulerPlugin", "PLUGIN_NAME"]
@@ -51,6 +52,7 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler) -> None:
         self.scheduler = scheduler
+        log_filter.install()  # gathers of task copies their controller released: DEBUG, not ERROR
         self.kv = KeyValueStore()
         scheduler.handlers.update(
             {
