@@ -9,8 +9,9 @@ and scheduler CPU <= 10 % at 64 ranks). One stock CLI cluster (``dask scheduler`
   the GPU check, the session's record on the scheduler, the answer channels' handshakes, the host relays, the
   answer sockets);
 * ``sched CPU, idle session``: as the first, with that session open and idle;
-* ``sched CPU, op loop``: during ``--ops`` eager ops (``x + x`` under ``mesh.activate()``), over the loop's wall
-  time, the sync after it included (the last task copies);
+* ``sched CPU, op loop``: during ``--loop`` seconds of eager ops (``x + x`` under ``mesh.activate()``, a fetch
+  every 1,000 ops as a training step fetches its loss), over the loop's wall time: long enough to hold several
+  task periods (``Session.task_period``), whose task copies come in bursts;
 * ``warm attach``: ``--warm`` more attaches (each ended before the next) on the same workers, the median of each
   step.
 
@@ -18,7 +19,7 @@ With ``--py-spy DIR`` (py-spy on PATH or beside this Python), the scheduler is s
 CPU windows (``py-spy record --format raw``: collapsed stacks, one file per window), and the functions that took
 the most samples are printed.
 
-Usage: ``python bench/attach.py [--ranks 8] [--idle 10] [--ops 4000] [--warm 3] [--py-spy DIR]``.
+Usage: ``python bench/attach.py [--ranks 8] [--idle 10] [--loop 10] [--warm 3] [--py-spy DIR]``.
 """
 
 from __future__ import annotations
@@ -63,18 +64,25 @@ class Sampler:
 
 
 def top_functions(path: str, n: int = 12) -> list[tuple[str, int, int]]:
-    """``(function, samples that include it, total samples)`` of a py-spy raw file, the most frequent first (each
-    function counted once per stack)."""
+    """``(what, samples, total samples)`` of a py-spy raw file, the most frequent first: what the event loop ran
+    (the frame under asyncio's ``Handle._run``, with the first ``distributed``/``dask_monarch`` frame under it that
+    is not a generic wrapper), or the thread's outermost frame for a thread off the loop."""
     counts: collections.Counter = collections.Counter()
     total = 0
+    generic = ("utils.py", "core.py:8", "_handle_comm", "handle_stream", "Handle._run", "wrapper")
     with open(path) as f:
         for line in f:
             stack, _, k = line.rstrip("\n").rpartition(" ")
             k = int(k)
             total += k
-            for frame in set(stack.split(";")):
-                counts[frame] += k
-    return [(frame, c, total) for frame, c in counts.most_common(n)]
+            frames = stack.split(";")
+            at = next((i for i, fr in enumerate(frames) if fr.startswith("Handle._run")), None)
+            if at is None:
+                counts[frames[0]] += k
+                continue
+            inner = [fr for fr in frames[at + 1:] if not any(g in fr for g in generic)]
+            counts[" > ".join(inner[:2]) or frames[at + 1] if len(frames) > at + 1 else "idle"] += k
+    return [(what, c, total) for what, c in counts.most_common(n)]
 
 
 def cpu_window(scheduler: psutil.Process, seconds: float, sampler: Sampler, work=None) -> float:
@@ -95,7 +103,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8, help="workers and ranks (default 8)")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of each idle CPU window (default 10)")
-    parser.add_argument("--ops", type=int, default=4000, help="eager ops in the op loop (default 4000)")
+    parser.add_argument("--loop", type=float, default=10.0, help="seconds of the op loop (default 10)")
     parser.add_argument("--warm", type=int, default=3, help="warm attaches after the cold one (default 3)")
     parser.add_argument("--py-spy", metavar="DIR", help="sample the scheduler with py-spy into DIR")
     args = parser.parse_args(argv)
@@ -125,12 +133,18 @@ def main(argv=None) -> None:
                 cpu["idle session"] = cpu_window(scheduler, args.idle, Sampler(scheduler.pid, spy("idle-session")))
 
                 def loop():
-                    with mesh.activate():
-                        for _ in range(args.ops):
-                            y = x + x
-                    dm.inspect(y)
+                    deadline = time.perf_counter() + args.loop
+                    while time.perf_counter() < deadline:
+                        with mesh.activate():
+                            for _ in range(1000):
+                                y = x + x
+                        dm.inspect(y)
+                        ops[0] += 1000
+
+                ops = [0]
 
                 cpu["op loop"] = cpu_window(scheduler, 0, Sampler(scheduler.pid, spy("op-loop")), loop)
+                print(f"  op loop: {ops[0]} ops, task period {mesh._session.task_period:.2f} s", flush=True)
             t0 = time.perf_counter()
             mesh.exit()
             print(f"  exit: {time.perf_counter() - t0:.2f} s", flush=True)
