@@ -123,7 +123,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             mesh = dm.attach(cluster.client, dims={"dp": n})
             total = time.perf_counter() - t0
-            attaches.append((total, dict(mesh._session.attach_phases)))
+            attaches.append((total, dict(getattr(mesh._session, "attach_phases", {}))))  # {} before 67aa12f
             print(f"{'cold' if i == 0 else 'warm'} attach: {total:.2f} s", flush=True)
             if i == 0:
                 x = torch.arange(4.0) + 1
