@@ -4,6 +4,8 @@
 * ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms);
 * ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
   the sync after it not counted);
+* ``compiled``: controller time per call of a compiled 8-op function (``dm.compile``; us: the calls' wall time over
+  their number, the sync after them not counted);
 * ``sched CPU``: the scheduler process's CPU time during the op loops over their wall time, in % (``psutil``);
 * ``attach``: seconds of ``dm.attach(client, dims={"dp": N})`` on warm workers (the first attach, which imports
   dask_monarch and torch on every worker, is printed on its own).
@@ -86,14 +88,18 @@ class Case:
             start = time.perf_counter()
             self.mesh = dm.attach(client, dims={"dp": n})
             self.attach = time.perf_counter() - start
+        self.step = dm.compile(_chain8)
         with self.mesh.activate():
             self.x = torch.arange(4.0) + 1
             for _ in range(200):
                 y = self.x + self.x
+            for _ in range(3):  # record, verify, replay
+                y = self.step(self.x)
         for _ in range(30):
             dm.inspect(y)
         self.fetches: list = []
         self.ops: list = []
+        self.compiled: list = []
         self.cpu: list = []
 
     def round(self, fetches: int, ops: int, scheduler: psutil.Process) -> None:
@@ -112,16 +118,30 @@ class Case:
         self.ops.append(wall / ops)
         self.cpu.append((after.user + after.system - cpu.user - cpu.system, wall))
         dm.inspect(y)
+        calls = max(1, ops // 20)
+        with self.mesh.activate():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                y = self.step(x)
+            self.compiled.append((time.perf_counter() - t0) / calls)
+        dm.inspect(y)
 
     def figures(self) -> dict:
         times = sorted(self.fetches)
         return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
-                "op": statistics.median(self.ops) * 1e6,
+                "op": statistics.median(self.ops) * 1e6, "compiled": statistics.median(self.compiled) * 1e6,
                 "sched CPU": round(100 * sum(c for c, _ in self.cpu) / sum(w for _, w in self.cpu), 1),
                 "attach": self.attach}
 
 
-UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "sched CPU": "%", "attach": "s"}
+UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "compiled": "us", "sched CPU": "%", "attach": "s"}
+
+
+def _chain8(x):
+    """The compiled case: 8 small ops."""
+    for _ in range(4):
+        x = x * 0.5 + 1
+    return x
 
 
 def main(argv=None) -> None:

@@ -179,6 +179,43 @@ def test_a_controller_killed_mid_session_leaves_nothing_on_the_workers(cli_clien
     assert client.sync(client.scheduler.monarch_sessions) == {}
 
 
+BUSY_CONTROLLER = """
+import os, signal, time, torch, dask_monarch as dm
+mesh = dm.attach({address!r}, dims={{"dp": 2}}, comm_timeout=60)
+with mesh.activate():
+    x = torch.ones({elements})
+    assert dm.inspect(x[:2]).tolist() == [1.0, 1.0]
+    small = torch.ones(4)
+    busy = dm.remote(lambda t: (time.sleep({seconds}), t + 1)[1], propagate=lambda t: torch.empty_like(t))(small)
+time.sleep(1.0)  # the batch with the sleeping call reaches the workers
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_controller_killed_while_a_rank_runs_a_function_frees_the_rank_tensors_at_once(cli_client, cli_cluster):
+    """The session's tensors are let go when the session ends on the worker (its controller died), not when a user
+    function still running there returns: only what that function holds stays until then."""
+    client = cli_client
+    baseline = settled(client)
+    seconds = 45
+    script = textwrap.dedent(BUSY_CONTROLLER.format(address=cli_cluster, elements=PER_RANK // 4, seconds=seconds))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["ready"], out.stderr[-3000:]
+    killed = time.monotonic()
+    state = {}
+
+    def freed():
+        state.update(usage(client))
+        return all(u["rss"] - baseline[a]["rss"] < RSS_MARGIN for a, u in state.items())
+
+    assert wait_until(freed, 40), {a: (u["rss"] - baseline[a]["rss"]) // MIB for a, u in state.items()}
+    still_running = [u["monarch_threads"] for u in state.values()]
+    assert time.monotonic() - killed < seconds - 5, "the check ran after the function returned: it proves nothing"
+    assert all(any("stream" in name for name in names) for names in still_running), still_running
+    settled(client)  # the function returns and the stream's thread ends (bounded)
+
+
 def test_with_a_stopped_peer_the_survivor_aborts_its_groups_and_frees_them_at_once(cli_client):
     """A rank stopped (SIGSTOP) while its peer waits in an all-reduce with it: the session fails at the heartbeat
     bound naming it, and the survivor's process groups are aborted, so within seconds its session threads have

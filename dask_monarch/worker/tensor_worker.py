@@ -303,8 +303,9 @@ class TensorWorker(CommHandlers):
         it, ends the session through the scheduler (``fail``), after which a stream gets one more second.
 
         Everything the session held here is let go now, not at the next run of Python's cyclic garbage collector:
-        each stream's thread drops its ref table as it ends (``StreamWorker._release``; a stream still running a
-        function after the join drops it when that returns), the process groups are released
+        each stream's thread drops its ref table as it ends (``StreamWorker._release``; of a failed session's stream
+        still running a user function after the join, the closing thread empties the table, and the function keeps
+        only what it holds until it returns), the process groups are released
         (aborted if the session failed), and the tables that tie the tensor worker to its streams, meshes and
         borrows are emptied. On a GPU worker a clean end also hands the caching allocator's free blocks back to
         the device (``torch.cuda.empty_cache``)."""
@@ -319,6 +320,10 @@ class TensorWorker(CommHandlers):
             self.comms.abort()  # first: a stream blocked in a collective or a transfer with a lost peer errors out now
         for stream in streams:
             self._join(stream.thread, join_timeout)
+            if self.failure is not None and stream.thread.is_alive():
+                # still in a user function: a failed session runs nothing after it (``StreamWorker._serve``), so
+                # its ref table is let go now; the function keeps what it holds until it returns
+                stream.env.clear()
         if self.failure is None:
             self.comms.shutdown()
         self.process_groups.close()  # out of torch.distributed's tables too
