@@ -13,9 +13,10 @@ import time
 import dask
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 import dask_monarch as dm
+from dask_monarch.controller.task_keys import parse_task_key
 from dask_monarch.protocol import RemoteFunctionFailed
 from test_remote_functions import bogus
 
@@ -67,6 +68,49 @@ def test_the_per_rank_path_stays_with_the_config_key_off(client4):
                 x = mesh.rank("dp") + torch.zeros(2)
             assert dm.inspect(x, dp=3).tolist() == [3.0, 3.0]
             assert all(n > 0 for n in channels.socket_chunks) and channels.host_chunks == [0] * 4
+
+
+def _segments_of(fn, args) -> list:
+    """The segments (or None, a receipt) of each batch a message task was submitted with (``transport._submit``)."""
+    if fn.__name__ in ("deliver_batch", "sync_batch"):
+        return [args[1]]
+    return [segments for _, segments in args[0]]
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_the_task_copies_of_relayed_batches_carry_their_numbers_alone(client4, tree):
+    """Behind a host's relay a batch's only way is the relay (a lost relay fails the session), so its pinned Dask
+    task (the dashboard's copy) carries the batch's number, not its bytes; without the relay it carries the bytes,
+    the rank's way if its sockets break."""
+    with dask.config.set({"monarch.answer-tree": tree}):
+        with dm.attach(client4, dims={"dp": 4}, comm_timeout=60) as mesh:
+            session = mesh._session
+            submitted = []
+            submit = session.client.submit
+
+            def recording(fn, params, *args, **kwargs):  # the real submit, its arguments kept
+                submitted.append((fn, args, kwargs))
+                return submit(fn, params, *args, **kwargs)
+
+            session.client.submit = recording
+            try:
+                for i in range(3):
+                    with mesh.activate():
+                        x = mesh.rank("dp") * 10 + torch.arange(3.0) + i
+                    assert dm.inspect(x, dp=3).tolist() == [30.0 + i, 31.0 + i, 32.0 + i]
+                session.flush()  # every batch's task now
+            finally:
+                del session.client.submit
+            assert submitted
+            for fn, args, kwargs in submitted:
+                rank = parse_task_key(kwargs["key"])[2]
+                assert kwargs["key"].startswith(f"monarch-{session.tag}-")
+                assert kwargs["workers"] == [mesh.workers[rank]] and kwargs["allow_other_workers"] is False
+                segments = _segments_of(fn, args)
+                assert all(s is None for s in segments) if tree else all(s for s in segments), (fn, segments)
+            futures = [f for fs in session._inflight for f in fs]
+            wait(futures, timeout=TIMEOUT)
+            assert all(f.status == "finished" for f in futures)  # the receipts ran on their ranks' workers
 
 
 def slow(x):

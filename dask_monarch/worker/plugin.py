@@ -235,13 +235,14 @@ async def deliver_batch(params: SessionParams, batch_seq: int, segments: list) -
 
 async def deliver_batches(params: SessionParams, batches: list) -> int:
     """Hand ``batches`` (``(batch_seq, segments)`` pairs) to the session's inbox, which ignores those it already has
-    (they came on the answer channel). Returns the number of segments (0 if the session already ended here)."""
+    (they came on the answer channel) and the receipts (None: the batch came through its host's relay). Returns the
+    number of segments (0 if the session already ended here)."""
     tw = _plugin().tensor_worker(params)
     if tw is None:
         return 0
     for batch_seq, segments in batches:
         tw.inbox.put(batch_seq, segments)
-    return sum(len(segments) for _, segments in batches)
+    return sum(len(segments) for _, segments in batches if segments is not None)
 
 
 def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> list:
