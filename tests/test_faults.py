@@ -313,26 +313,10 @@ def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
     """``worker/gloo.abort_work`` (what ``Comms`` calls for a session's pending transfers): a gloo receive and a
     send that no peer answers return False from ``wait()`` right after it, instead of at the group's 60 s timeout;
     any other object (a collective's work, a tensor, None) is left alone. Two ranks in this process, no cluster."""
-    import datetime
-
-    import torch.distributed as dist
     from dask_monarch.worker.gloo import abort_work
+    from gloo_abort import two_gloo_ranks
 
-    store = dist.HashStore()
-    groups = [None, None]
-
-    def build(rank):
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = datetime.timedelta(seconds=60)
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
-
-    builders = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    for b in builders:
-        b.start()
-    for b in builders:
-        b.join(60)
-    first, second = groups
+    first, second = two_gloo_ranks()
     receive = first.recv([torch.empty(4)], 1, 7)  # rank 1 never sends
     send = first.send([torch.ones(4)], 1, 8)  # rank 1 never receives
     for work in (receive, send):
@@ -348,66 +332,37 @@ def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
     assert abort_work(torch.ones(1)) is False and abort_work(None) is False
 
 
-def _interpreter_dict_refcount() -> int:
-    """The reference count of this interpreter's state dict (``PyInterpreterState_GetDict``, where pybind11 >= 3
-    keeps its internals), read without taking a reference."""
-    import ctypes
-
-    api = ctypes.PyDLL(None)
-    api.PyInterpreterState_Get.restype = ctypes.c_void_p
-    api.PyInterpreterState_GetDict.restype = ctypes.c_void_p
-    api.PyInterpreterState_GetDict.argtypes = [ctypes.c_void_p]
-    return ctypes.c_ssize_t.from_address(api.PyInterpreterState_GetDict(api.PyInterpreterState_Get())).value
-
-
 def test_finding_pybind11s_abi_takes_no_reference_from_the_interpreters_dict():
     """``gloo._abi_ids`` (what ``abort_work`` uses once per process) reads the interpreter's state dict, a borrowed
     reference: it once released it as if it owned it, which freed the dict (its count went 1 -> 0) while the
     interpreter held it, and processes that had aborted a gloo transfer crashed with SIGSEGV at exit."""
     from dask_monarch.worker import gloo
+    from gloo_abort import interpreter_state_dict
 
-    before = _interpreter_dict_refcount()
-    assert before >= 1
+    before = interpreter_state_dict()
+    assert before[0] >= 1
     for _ in range(3):
         assert gloo._abi_ids()  # this torch build's pybind11 is found
-    assert _interpreter_dict_refcount() == before
+    assert interpreter_state_dict() == before
 
 
 # test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else's body as a program: two gloo ranks in one
 # process, a receive nobody answers aborted; then the program ends normally
 _ABORT_PROGRAM = """
-import ctypes, datetime, threading
+import threading
 import torch
-import torch.distributed as dist
 from dask_monarch.worker.gloo import abort_work
+from gloo_abort import interpreter_state_dict, two_gloo_ranks  # tests/gloo_abort.py (the program runs there)
 
-api = ctypes.PyDLL(None)  # the interpreter's state dict, where pybind11 keeps its internals (not referenced here)
-api.PyInterpreterState_Get.restype = ctypes.c_void_p
-api.PyInterpreterState_GetDict.restype = ctypes.c_void_p
-api.PyInterpreterState_GetDict.argtypes = [ctypes.c_void_p]
-state_dict = api.PyInterpreterState_GetDict(api.PyInterpreterState_Get())
-state = lambda: (ctypes.c_ssize_t.from_address(state_dict).value, sorted(ctypes.cast(state_dict, ctypes.py_object).value))
-before = state()
-store = dist.HashStore()
-groups = [None, None]
-
-def build(rank):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = datetime.timedelta(seconds=60)
-    groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
-
-builders = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-for b in builders:
-    b.start()
-for b in builders:
-    b.join(60)
+before = interpreter_state_dict()
+groups = two_gloo_ranks()
 receive = groups[0].recv([torch.empty(4)], 1, 7)  # rank 1 never sends
 aborter = threading.Timer(0.2, abort_work, (receive,))
 aborter.start()
 assert receive.wait() is False
 aborter.join()
-print("interpreter dict kept" if state() == before else f"interpreter dict changed: {before} -> {state()}")
+after = interpreter_state_dict()
+print("interpreter dict kept" if after == before else f"interpreter dict changed: {before} -> {after}")
 """
 
 
@@ -421,7 +376,8 @@ def test_a_program_that_aborted_a_gloo_transfer_exits_0():
     import sys
 
     for run in range(3):
-        proc = subprocess.run([sys.executable, "-c", _ABORT_PROGRAM], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", _ABORT_PROGRAM], capture_output=True, text=True, timeout=120,
+                              cwd=os.path.dirname(__file__))
         assert (proc.returncode, proc.stderr) == (0, ""), (run, proc.returncode, proc.stderr[-3000:])
         assert proc.stdout.strip() == "interpreter dict kept", (run, proc.stdout)
 
