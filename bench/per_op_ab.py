@@ -1,7 +1,7 @@
 """A/B of the controller's per-op time: ``bench/per_op_min.py`` run alternately against two checkouts of
 dask_monarch in one session of this script (the same machine, the same load), and the medians of each side.
 
-Each run is a fresh process, ``PYTHONPATH=<tree> python bench/per_op_min.py <label>`` (this file's
+Each run is a fresh process, ``PYTHONPATH=<tree>[:$PYTHONPATH] python bench/per_op_min.py <label>`` (this file's
 ``per_op_min.py`` for both sides, so only the library differs), whose line gives, in microseconds, the least
 disturbed and the median of 9 rounds of 5,000 calls of (b) ``remote(aten.add)`` and (d) ``x + x`` under
 ``activate()`` on a 1-worker cluster, and the controller process's CPU time per call (median of the rounds). This prints every run's line, then per side the median over runs of each
@@ -30,7 +30,8 @@ _FIELDS = ("(b) min", "(b) median", "(d) min", "(d) median", "(b) cpu", "(d) cpu
 
 def run_once(tree: str, label: str) -> tuple:
     """One run of ``per_op_min.py`` with dask_monarch from ``tree``: its four figures (us) and its output line."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    path = os.pathsep.join(filter(None, (os.path.abspath(tree), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, PYTHONPATH=path)
     out = subprocess.run([sys.executable, str(_BENCH), label], env=env, cwd=tree, capture_output=True, text=True,
                          timeout=600)
     match = _LINE.search(out.stdout)

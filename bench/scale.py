@@ -13,10 +13,12 @@
 One cluster of the largest N workers; a mesh of N ranks is attached on its first N workers, all meshes at once,
 and they are measured in turn, round by round, so that each sees the same load (a shared 2-core machine's load
 changes by the minute). Each figure is printed with its ratio against the smallest mesh's of the same setting.
-``--answer-tree both`` measures the host relays off and on side by side (Dask config ``monarch.answer-tree``).
+``--answer-tree both`` measures the host relays off and on side by side (Dask config ``monarch.answer-tree``), and
+``--relay-fanout 8,64`` the relays with each of those ``monarch.relay-fanout`` values side by side (64 ranks on one
+host: sub-relays of 8 ranks under the host's relay, against one relay of all 64).
 
 Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
-[--answer-tree on|off|both]``.
+[--answer-tree on|off|both] [--relay-fanout 64[,8...]]``.
 """
 
 from __future__ import annotations
@@ -80,11 +82,12 @@ class CliCluster:
 
 
 class Case:
-    """One mesh of ``n`` ranks (the first ``n`` workers) with ``monarch.answer-tree`` ``tree``, and its samples."""
+    """One mesh of ``n`` ranks (the first ``n`` workers) with ``monarch.answer-tree`` ``tree`` and
+    ``monarch.relay-fanout`` ``fanout``, and its samples."""
 
-    def __init__(self, client, n: int, tree: bool):
+    def __init__(self, client, n: int, tree: bool, fanout: int = 64):
         self.n, self.tree = n, tree
-        with dask.config.set({"monarch.answer-tree": tree}):
+        with dask.config.set({"monarch.answer-tree": tree, "monarch.relay-fanout": fanout}):
             start = time.perf_counter()
             self.mesh = dm.attach(client, dims={"dp": n})
             self.attach = time.perf_counter() - start
@@ -152,9 +155,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
     parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
                         help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
+    parser.add_argument("--relay-fanout", default="64",
+                        help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 64)")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.ranks.split(",")]
-    settings = {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
+    fanouts = [int(v) for v in args.relay_fanout.split(",")]
+    settings = [(tree, f) for tree in {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
+                for f in (fanouts if tree else fanouts[:1])]
     cluster = CliCluster(max(counts))
     cases = []
     try:
@@ -163,11 +170,11 @@ def main(argv=None) -> None:
         dm.attach(cluster.client, dims={"dp": max(counts)}).exit()  # the workers' first session (imports, plugin)
         cold = time.perf_counter() - start
         print(f"first attach of {max(counts)} ranks (cold workers): {cold:.1f} s", flush=True)
-        cases = [Case(cluster.client, n, tree) for n in counts for tree in settings]
+        cases = [Case(cluster.client, n, tree, f) for n in counts for tree, f in settings]
         for _ in range(args.rounds):  # every mesh in turn, round by round: the same load for each
             for case in cases:
                 case.round(max(1, args.fetches // args.rounds), max(1, args.ops // args.rounds), scheduler)
-        rows = {(c.n, c.tree): c.figures() for c in cases}
+        rows = {(c.n, setting): c.figures() for c, setting in zip(cases, [s for _ in counts for s in settings])}
     finally:
         for case in cases:
             case.mesh.exit()
@@ -175,11 +182,11 @@ def main(argv=None) -> None:
     print(f"\nbench/scale.py ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
           f"{args.ops} ops per mesh in {args.rounds} rounds, the meshes in turn on one cluster of {max(counts)} "
           f"workers; ratios against the {counts[0]}-rank mesh of the same setting)")
-    for tree in settings:
-        print(f"\nmonarch.answer-tree: {str(tree).lower()}")
+    for tree, fanout in settings:
+        print(f"\nmonarch.answer-tree: {str(tree).lower()}" + (f", monarch.relay-fanout: {fanout}" if tree else ""))
         print(f"{'ranks':>5}" + "".join(f"{k + ' (' + UNITS[k] + ')':>22}" for k in UNITS))
         for n in counts:
-            row, base = rows[n, tree], rows[counts[0], tree]
+            row, base = rows[n, (tree, fanout)], rows[counts[0], (tree, fanout)]
             cells = [f"{row[k]:.3g} ({row[k] / base[k]:.2f}x)" if base[k] else f"{row[k]:.3g}" for k in UNITS]
             print(f"{n:>5}" + "".join(f"{c:>22}" for c in cells))
 

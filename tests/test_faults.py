@@ -314,26 +314,10 @@ def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
     """``worker/gloo.abort_work`` (what ``Comms`` calls for a session's pending transfers): a gloo receive and a
     send that no peer answers return False from ``wait()`` right after it, instead of at the group's 60 s timeout;
     any other object (a collective's work, a tensor, None) is left alone. Two ranks in this process, no cluster."""
-    import datetime
-
-    import torch.distributed as dist
     from dask_monarch.worker.gloo import abort_work
+    from gloo_abort import two_gloo_ranks
 
-    store = dist.HashStore()
-    groups = [None, None]
-
-    def build(rank):
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        opts._timeout = datetime.timedelta(seconds=60)
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, opts)
-
-    builders = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
-    for b in builders:
-        b.start()
-    for b in builders:
-        b.join(60)
-    first, second = groups
+    first, second = two_gloo_ranks()
     receive = first.recv([torch.empty(4)], 1, 7)  # rank 1 never sends
     send = first.send([torch.ones(4)], 1, 8)  # rank 1 never receives
     for work in (receive, send):
@@ -347,6 +331,56 @@ def test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else():
     assert [abort_work(w) for w in collective] == [False, False]
     assert [w.wait() for w in collective] == [True, True]
     assert abort_work(torch.ones(1)) is False and abort_work(None) is False
+
+
+def test_finding_pybind11s_abi_takes_no_reference_from_the_interpreters_dict():
+    """``gloo._abi_ids`` (what ``abort_work`` uses once per process) reads the interpreter's state dict, a borrowed
+    reference: it once released it as if it owned it, which freed the dict (its count went 1 -> 0) while the
+    interpreter held it, and processes that had aborted a gloo transfer crashed with SIGSEGV at exit."""
+    from dask_monarch.worker import gloo
+    from gloo_abort import interpreter_state_dict
+
+    before = interpreter_state_dict()
+    assert before[0] >= 1
+    for _ in range(3):
+        assert gloo._abi_ids()  # this torch build's pybind11 is found
+    assert interpreter_state_dict() == before
+
+
+# test_abort_work_ends_a_gloo_send_or_receive_wait_and_nothing_else's body as a program: two gloo ranks in one
+# process, a receive nobody answers aborted; then the program ends normally
+_ABORT_PROGRAM = """
+import threading
+import torch
+from dask_monarch.worker.gloo import abort_work
+from gloo_abort import interpreter_state_dict, two_gloo_ranks  # tests/gloo_abort.py (the program runs there)
+
+before = interpreter_state_dict()
+groups = two_gloo_ranks()
+receive = groups[0].recv([torch.empty(4)], 1, 7)  # rank 1 never sends
+aborter = threading.Timer(0.2, abort_work, (receive,))
+aborter.start()
+assert receive.wait() is False
+aborter.join()
+after = interpreter_state_dict()
+print("interpreter dict kept" if after == before else f"interpreter dict changed: {before} -> {after}")
+"""
+
+
+def test_a_program_that_aborted_a_gloo_transfer_exits_0():
+    """A program that aborts a gloo receive (``abort_work``, as a worker does when a session stops under a
+    transfer) ends with exit code 0 and nothing on stderr, 3 runs out of 3, and the interpreter's state dict is
+    as before the abort at the end, count and keys (pybind11's internals): the abort freed it once (its memory then
+    held another dict), and such exits crashed with SIGSEGV in the collector's last run (2 of 5 runs of a test
+    file set)."""
+    import subprocess
+    import sys
+
+    for run in range(3):
+        proc = subprocess.run([sys.executable, "-c", _ABORT_PROGRAM], capture_output=True, text=True, timeout=120,
+                              cwd=os.path.dirname(__file__))
+        assert (proc.returncode, proc.stderr) == (0, ""), (run, proc.returncode, proc.stderr[-3000:])
+        assert proc.stdout.strip() == "interpreter dict kept", (run, proc.stdout)
 
 
 def test_iter_from_dask_waiting_on_a_killed_worker_raises_the_session_error(cli_cluster, client_of):

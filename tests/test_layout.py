@@ -24,7 +24,7 @@ ORDER = [
     "mesh",
     "value_mesh",
     # the frontend
-    "tensor", "stream", "functions", "remote", "dispatch", "reduce", "to_mesh", "fetch", "cached_propagation", "actors",
+    "tensor", "stream", "functions", "issue", "remote", "dispatch", "reduce", "to_mesh", "fetch", "cached_propagation", "actors",
     "recording", "compile_notices", "compile", "gradients", "report",
     # the public entry points
     "attach", "__init__",

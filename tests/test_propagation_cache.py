@@ -141,3 +141,107 @@ def test_torch_compile_under_activate_runs_eagerly_on_the_mesh_without_dynamo_in
     package = os.path.dirname(dm.__file__)
     compiled = [code() for code in convert_frame.input_codes.seen]
     assert not [c.co_filename for c in compiled if c is not None and c.co_filename.startswith(package)]
+
+
+def _torch_way(monkeypatch) -> list:
+    """The ops that reach ``dispatch.run_op`` (torch's dispatcher into the mode's or ``Tensor``'s handler)."""
+    from dask_monarch.controller import dispatch
+    from dask_monarch.controller.mesh import frontend
+
+    seen, run_op = [], dispatch.run_op
+
+    def counting(func, *rest, **kw):
+        seen.append(func)
+        return run_op(func, *rest, **kw)
+
+    monkeypatch.setattr(dispatch, "run_op", counting)
+    monkeypatch.setattr(frontend, "run_op", counting)
+    return seen
+
+
+def test_operators_with_a_cached_plan_skip_torchs_dispatcher(mesh1, monkeypatch):
+    """``+ - * /`` on remote tensors and Python numbers (``1 + x``, ``0.5 * x`` too) send their op from the operator
+    once the op's plan is cached (``dispatch.operator_call``), under ``activate()`` and outside it; values are
+    torch's."""
+    seen = _torch_way(monkeypatch)
+    ops = [lambda a, b: a + b, lambda a, b: a - 2, lambda a, b: 1 + a, lambda a, b: a * b, lambda a, b: 0.5 * a,
+           lambda a, b: a / b, lambda a, b: a * 3.0]
+    la, lb = torch.arange(1.0, 7.0).reshape(2, 3), torch.full((2, 3), 4.0)
+    with mesh1.activate():
+        a, b = torch.arange(1.0, 7.0).reshape(2, 3), torch.full((2, 3), 4.0)
+        [op(a, b) for op in ops]  # the plans are learned the way torch goes
+        assert len(seen) >= len(ops)
+        del seen[:]
+        inside = [op(a, b) for op in ops]
+    outside = [op(a, b) for op in ops]
+    assert seen == []
+    values = dm.inspect(inside + outside)
+    for i, op in enumerate(ops):
+        assert torch.equal(values[i], op(la, lb)) and torch.equal(values[len(ops) + i], op(la, lb)), i
+
+
+def test_operators_go_torchs_way_where_torch_adds_something(mesh1, monkeypatch):
+    """Autograd (an input that requires grad, grad mode on), another dispatch mode, a torch function mode and the
+    profiler see ``x + y`` as without the shortcut; ``no_grad`` takes it."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Functions(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    seen = _torch_way(monkeypatch)
+    add = torch.ops.aten.add.Tensor
+    with mesh1.activate():
+        x, y = torch.ones(3), torch.ones(3)
+        x + y
+        w = torch.ones(3).requires_grad_()
+        w + y  # the plans are learned
+        del seen[:]
+        g = w + y
+        assert seen == [add] and g.grad_fn is not None
+        with torch.no_grad():
+            assert (w + y).grad_fn is None and seen == [add]
+        with Log() as log:
+            x + y
+        assert log.ops == [add] and seen == [add, add]
+        with Functions() as functions:
+            x + y
+        assert functions.calls and seen == [add] * 3
+        with torch.profiler.profile() as prof:
+            x + y
+        assert seen == [add] * 4 and "aten::add" in {e.key for e in prof.key_averages()}
+        x + y
+        assert seen == [add] * 4
+        g.sum().backward()
+        value = dm.inspect(w.grad)
+    assert torch.equal(value, torch.ones(3))
+
+
+def test_operator_shortcut_raises_what_torchs_way_raises(mesh1):
+    """A dropped input raises ``TypeError`` DROPPED from the operator, cached plan or not."""
+    with mesh1.activate():
+        x, y = torch.ones(3), torch.ones(3)
+        x + y
+        y.drop()
+        try:
+            x + y
+        except TypeError as e:
+            error = str(e)
+        else:
+            error = ""
+    assert error.startswith("DROPPED")

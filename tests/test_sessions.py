@@ -136,6 +136,27 @@ def test_attach_to_command_line_cluster(cli_cluster):
         assert dm.fetch_shard(s, dp=1).result(timeout=TIMEOUT).item() == 3  # (0 + 1) + (1 + 1)
 
 
+def test_attach_to_a_cold_command_line_cluster_installs_both_plugins_and_times_each_step(cli_cluster):
+    """attach registers the worker plugin and the scheduler plugin at once (the workers' imports overlap the
+    scheduler's): both are installed on fresh ``dask worker`` processes, and ``Session.attach_phases`` gives each
+    step's seconds, in order."""
+    from distributed import Client
+
+    from dask_monarch.scheduler.plugin import PLUGIN_NAME as SCHEDULER_PLUGIN
+    from dask_monarch.worker.plugin import PLUGIN_NAME as WORKER_PLUGIN
+
+    with Client(cli_cluster, set_as_default=False) as client:
+        with dm.attach(client, dims={"dp": 2}, comm_timeout=60, timeout=90) as mesh:
+            phases = mesh._session.attach_phases
+            assert list(phases)[:3] == ["cluster", "plugins", "workers"]
+            assert {"session open", "pin workers", "session state", "channels"} <= set(phases)
+            assert all(isinstance(v, float) and v >= 0 for v in phases.values()), phases
+            assert SCHEDULER_PLUGIN in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+            installed = client.run(lambda dask_worker: WORKER_PLUGIN in dask_worker.plugins)
+            assert sorted(installed) == sorted(mesh.workers.values()) and all(installed.values()), installed
+            assert dm.fetch_shard(mesh.rank("dp") + 1, dp=1).result(timeout=TIMEOUT).item() == 2
+
+
 def make_filled(n, value):
     return torch.full((n,), float(value))
 

@@ -13,9 +13,10 @@ import time
 import dask
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 import dask_monarch as dm
+from dask_monarch.controller.task_keys import parse_task_key
 from dask_monarch.protocol import RemoteFunctionFailed
 from test_remote_functions import bogus
 
@@ -69,26 +70,171 @@ def test_the_per_rank_path_stays_with_the_config_key_off(client4):
             assert all(n > 0 for n in channels.socket_chunks) and channels.host_chunks == [0] * 4
 
 
+def _segments_of(fn, args) -> list:
+    """The segments (or None, a receipt) of each batch a message task was submitted with (``transport._submit``)."""
+    if fn.__name__ in ("deliver_batch", "sync_batch"):
+        return [args[1]]
+    return [segments for _, segments in args[0]]
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_the_task_copies_of_relayed_batches_carry_their_numbers_alone(client4, tree):
+    """Behind a host's relay a batch's only way is the relay (a lost relay fails the session), so its pinned Dask
+    task (the dashboard's copy) carries the batch's number, not its bytes; without the relay it carries the bytes,
+    the rank's way if its sockets break."""
+    with dask.config.set({"monarch.answer-tree": tree}):
+        with dm.attach(client4, dims={"dp": 4}, comm_timeout=60) as mesh:
+            session = mesh._session
+            submitted = []
+            submit = session.client.submit
+
+            def recording(fn, params, *args, **kwargs):  # the real submit, its arguments kept
+                submitted.append((fn, args, kwargs))
+                return submit(fn, params, *args, **kwargs)
+
+            session.client.submit = recording
+            try:
+                for i in range(3):
+                    with mesh.activate():
+                        x = mesh.rank("dp") * 10 + torch.arange(3.0) + i
+                    assert dm.inspect(x, dp=3).tolist() == [30.0 + i, 31.0 + i, 32.0 + i]
+                session.flush()  # every batch's task now
+            finally:
+                del session.client.submit
+            assert submitted
+            for fn, args, kwargs in submitted:
+                rank = parse_task_key(kwargs["key"])[2]
+                assert kwargs["key"].startswith(f"monarch-{session.tag}-")
+                assert kwargs["workers"] == [mesh.workers[rank]] and kwargs["allow_other_workers"] is False
+                segments = _segments_of(fn, args)
+                assert all(s is None for s in segments) if tree else all(s for s in segments), (fn, segments)
+            futures = [f for fs in session._inflight for f in fs]
+            wait(futures, timeout=TIMEOUT)
+            assert all(f.status == "finished" for f in futures)  # the receipts ran on their ranks' workers
+
+
 def slow(x):
     time.sleep(60)
     return x
 
 
-def test_a_killed_leader_fails_the_session_naming_its_worker():
-    with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+@pytest.mark.parametrize("ranks, fanout, victim, kind", [(3, 8, 0, "leader"), (4, 2, 2, "sub-relay")])
+def test_a_killed_relay_fails_the_session_naming_its_worker(ranks, fanout, victim, kind):
+    """SIGKILL the worker of the host's relay (rank 0), or of a sub-relay (rank 2, with ``monarch.relay-fanout`` 2
+    on 4 ranks): a fetch that waits on every rank fails within the heartbeat bound, naming that rank's worker."""
+    with LocalCluster(n_workers=ranks, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
         with Client(cluster) as client:
             heartbeat = 20.0
-            mesh = dm.attach(client, dims={"dp": 3}, comm_timeout=60, heartbeat_timeout=heartbeat)
-            assert mesh._session.channels.relays[2].rank == 0
+            with dask.config.set({"monarch.relay-fanout": fanout}):
+                mesh = dm.attach(client, dims={"dp": ranks}, comm_timeout=60, heartbeat_timeout=heartbeat)
+            link = mesh._session.channels.relays[ranks - 1]
+            assert link.rank == 0 and link.sub_relay.get(ranks - 1, 0) == victim
             with mesh.activate():
                 x = mesh.rank("dp") + torch.zeros(2)
-            assert dm.inspect(x, dp=2).tolist() == [2.0, 2.0]
-            future = dm.fetch_shard(dm.remote(slow, propagate=lambda x: x)(x), dp=2)  # waits on every rank
-            leader = mesh.workers[0]
-            os.kill(client.run(os.getpid, workers=[leader])[leader], signal.SIGKILL)
+            assert dm.inspect(x, dp=ranks - 1).tolist() == [ranks - 1.0] * 2
+            future = dm.fetch_shard(dm.remote(slow, propagate=lambda x: x)(x), dp=ranks - 1)  # waits on every rank
+            worker = mesh.workers[victim]
+            os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
             start = time.monotonic()
-            with pytest.raises(dm.SessionError, match=r"rank 0 \(" + leader) as info:
+            with pytest.raises(dm.SessionError, match=rf"rank {victim} \(" + worker) as info:
                 future.result(timeout=120)
             assert time.monotonic() - start < heartbeat
-            assert "relay" in str(info.value)
+            if kind == "leader":
+                assert "relay" in str(info.value)
             mesh.exit()  # already reported: exit cleans up without raising
+
+
+def test_the_frame_reader_completes_frames_from_any_split_and_checks_the_limit():
+    """``frames.FrameReader`` (the relay's one selector thread reads every rank with it): frames written by
+    ``send_frame`` and delivered in pieces of any size (here 7 bytes, and 64 KiB) come back whole and in order,
+    out-of-band tensor buffers included (an empty one too); the frames before an EOF are kept and then ``EOFError``
+    is raised; a header that declares more than the limit raises ``FrameTooLarge`` before anything is allocated."""
+    import selectors
+    import socket
+
+    from dask_monarch.protocol import tensor_bytes
+    from dask_monarch.protocol.frames import HEADER, FrameReader, FrameTooLarge, send_frame
+
+    x = torch.arange(2**17, dtype=torch.int64)  # 1 MiB: its memory out of band (``tensor_bytes.OUT_OF_BAND``)
+    sent = [{"c": 0, "d": b"status"}, {"c": 1, "d": tensor_bytes.dumps((1, [x, torch.empty(0)]))}, {"x": True}]
+    for piece in (7, 2**16):
+        a, b = socket.socketpair()
+        wire = []
+
+        class _Sink:  # what send_frame writes, kept to be delivered in pieces
+            def settimeout(self, t):
+                pass
+
+            def sendall(self, data):
+                wire.append(bytes(data))
+
+        for msg in sent:
+            send_frame(_Sink(), msg, 10.0)
+        data = b"".join(wire)
+        b.setblocking(False)
+        reader, got = FrameReader(b, 2**24), []
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(b, selectors.EVENT_READ)
+                for start in range(0, len(data), piece):
+                    a.sendall(data[start:start + piece])
+                    if selector.select(1.0):
+                        reader.read(got)
+                a.close()
+                with pytest.raises(EOFError):
+                    while selector.select(1.0):
+                        reader.read(got)
+        finally:
+            b.close()
+        assert [m.get("c") for m in got] == [0, 1, None] and got[0]["d"] == b"status" and got[2] == {"x": True}
+        assert type(sent[1]["d"]) is tensor_bytes.OutOfBand
+        n, (tensor, empty) = got[1]["d"]
+        assert n == 1 and torch.equal(tensor, x) and empty.numel() == 0
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(2**40, 0))
+        b.setblocking(False)
+        time.sleep(0.1)
+        with pytest.raises(FrameTooLarge, match=r"declares 1099511627776 bytes, more than this session can receive"):
+            FrameReader(b, 2**20).read([])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_big_host_gets_sub_relays_and_a_failure_under_one_names_its_rank(client4):
+    """Dask config ``monarch.relay-fanout`` 2 on a host of 4 ranks: the host relay on rank 0 serves ranks 0 and 1
+    itself and ranks 2 and 3 through a sub-relay on rank 2 (``tree.split_host``). Each rank still gets its own
+    batches (a value per rank), a fetch still costs the controller one answer for the host, a 4 MiB value crosses
+    both relays, and a failure on rank 3 reaches the controller once, naming rank 3 and its worker."""
+    with dask.config.set({"monarch.relay-fanout": 2}):
+        mesh = dm.attach(client4, dims={"dp": 4}, comm_timeout=60, record_answers=True)
+    with mesh:
+        channels = mesh._session.channels
+        link = channels.relays[0]
+        assert channels.relays == [link] * 4 and link.sub_relay == {2: 2, 3: 2}
+        assert channels.links == [None] * 4
+        with mesh.activate():
+            x = mesh.rank("dp") * 10 + torch.arange(3.0)
+        assert [dm.inspect(x, dp=r).tolist() for r in range(4)] == [[10.0 * r + k for k in range(3)] for r in range(4)]
+        before = channels.host_chunks[0]
+        for i in range(20):
+            assert dm.inspect(x, dp=i % 4)[0].item() == 10.0 * (i % 4)
+        assert channels.host_chunks[0] - before == 20 and channels.socket_chunks == [0] * 4
+        with mesh.activate():
+            big = torch.arange(2.0**20) + mesh.rank("dp")
+            y = torch.rand(3, 4)
+            z = bogus(y, torch.rand(3, 4), mesh.rank("dp"), fail_rank=3)
+            a = z + y
+        assert torch.equal(dm.inspect(big, dp=3), torch.arange(2.0**20) + 3)
+        with pytest.raises(dm.RemoteException, match="do_bogus_tensor_work") as info:
+            dm.fetch_shard(a, dp=0).result(timeout=TIMEOUT)
+        assert info.value.rank == 3 and info.value.worker == mesh.workers[3]
+        failed = [rank for rank, m in mesh._session.answers if isinstance(m, RemoteFunctionFailed)]
+        assert failed == [3]
+
+
+def test_a_bad_relay_fanout_is_refused_naming_the_key(client2):
+    with dask.config.set({"monarch.relay-fanout": 1}):
+        with pytest.raises(ValueError, match=r"monarch\.relay-fanout must be an integer of 2 or more, got 1"):
+            dm.attach(client2, dims={"dp": 2}, comm_timeout=60)

@@ -1,19 +1,28 @@
 """``dask_monarch.attach``: connect a controller to a Dask cluster and get a ``DeviceMesh`` (spec §1 "Mesh").
 
 Ranks are assigned deterministically: workers sorted by host, then port. The controller registers dask_monarch's
-``SchedulerPlugin`` (rendezvous store, sessions) and ``WorkerPlugin`` (tensor workers); both are idempotent, so
-several controllers can share a cluster.
+``SchedulerPlugin`` (rendezvous store, sessions) and ``WorkerPlugin`` (tensor workers) at once; both are idempotent,
+so several controllers can share a cluster. On a cluster that never ran a session, loading them imports
+dask_monarch and torch in the scheduler and in every worker, and the controller's first session imports
+``torch._dynamo`` (its ``FakeTensorMode``): these overlap (``_register``, ``_warm_up``) instead of following each
+other. ``Session.attach_phases`` keeps the seconds each step took (also logged at DEBUG by logger
+``dask_monarch.controller``; ``bench/attach.py`` prints them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 import math
 import sys
+import threading
+import time
 from collections.abc import Mapping
 
 from distributed import Client
 from distributed.comm import get_address_host_port
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..cluster import cluster_workers, default_worker_count, start_local_cluster, wait_for_workers
 from ..protocol import Slice
@@ -28,6 +37,8 @@ from .liveness import scheduler_gone
 from .session import Session, _local_ranks
 
 __all__ = ["attach"]
+
+logger = logging.getLogger("dask_monarch.controller")
 
 
 def _sort_key(address: str):
@@ -130,6 +141,49 @@ def _connect(cluster, security, timeout: float) -> Client:
         raise
 
 
+async def _register(client) -> None:
+    """Register dask_monarch's plugins at once: the worker plugin first (the scheduler passes it on without loading
+    it, and each worker imports dask_monarch and torch as it loads it), then the scheduler's (which the scheduler
+    imports on its event loop): on a cold cluster the scheduler's import overlaps the workers' instead of coming
+    before them. Raises the scheduler plugin's error first."""
+    workers = asyncio.ensure_future(client._register_worker_plugin(
+        MonarchWorkerPlugin(), name=MonarchWorkerPlugin.name, idempotent=True))
+    await asyncio.sleep(0)  # its request goes out first
+    scheduler = asyncio.ensure_future(client._register_scheduler_plugin(
+        MonarchSchedulerPlugin(), name=MonarchSchedulerPlugin.name, idempotent=True))
+    await asyncio.wait([workers, scheduler])
+    scheduler.result()
+    workers.result()
+
+
+def _register_plugins(client, timeout: float) -> None:
+    """Register the scheduler's and the workers' plugins (``_register``), both idempotent. Raises ``RuntimeError``
+    if the scheduler cannot import dask_monarch, and a worker plugin's error as Dask raises it."""
+    try:
+        client.sync(_register, client)
+    except (ImportError, ModuleNotFoundError, AttributeError) as e:
+        raise RuntimeError(
+            f"the Dask scheduler at {client.scheduler.address} cannot load dask_monarch ({e}); install "
+            "dask_monarch in the scheduler's environment"
+        ) from None
+
+
+#: seconds attach waits for the controller's warm-up (``_warm_up``) before it goes on (the session's first
+#: ``FakeTensorMode`` then waits for the same import, under its module lock)
+WARM_UP_JOIN = 120.0
+
+
+def _warm_up() -> threading.Thread | None:
+    """A thread that makes this process's first ``FakeTensorMode`` (the session's output metadata, ``Session``),
+    whose first instance imports ``torch._dynamo`` (seconds), while attach waits for the cluster; None if it was
+    made before."""
+    if "torch._dynamo" in sys.modules:
+        return None
+    thread = threading.Thread(target=FakeTensorMode, name="monarch-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 #: the keyword arguments attach passes on to ``Session``
 _SESSION_OPTIONS = frozenset(inspect.signature(Session.__init__).parameters) - {"self", "client", "workers", "comm_timeout", "session_id"}
 
@@ -189,6 +243,14 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
     if workers is not None and sizes is not None and len(workers) != want:
         raise ValueError(f"workers: {len(workers)} addresses given but dims {dict(dims)} need {want}")
 
+    phases: dict[str, float] = {}  # the seconds each step of attach took (``Session.attach_phases``)
+    mark = [time.perf_counter()]
+
+    def done(phase: str) -> None:
+        now = time.perf_counter()
+        phases[phase] = now - mark[0]
+        mark[0] = now
+
     closers = []
     owns_client = False
     local = None
@@ -219,14 +281,10 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 pass
 
     try:
-        try:
-            client.register_plugin(MonarchSchedulerPlugin())
-        except (ImportError, ModuleNotFoundError, AttributeError) as e:
-            raise RuntimeError(
-                f"the Dask scheduler at {client.scheduler.address} cannot load dask_monarch ({e}); install "
-                "dask_monarch in the scheduler's environment"
-            ) from None
-        client.register_plugin(MonarchWorkerPlugin())
+        done("cluster")
+        warm_up = _warm_up()  # the controller's first session imports torch._dynamo: meanwhile, not after
+        _register_plugins(client, timeout)
+        done("plugins")
         if workers is None:
             if local is not None:
                 wait_for_workers(local, client, want, timeout)
@@ -252,8 +310,10 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
                 raise ValueError(f"workers: duplicate addresses in {workers}")
         if names is None:
             names, sizes = ["workers"], [len(workers)]
+        done("workers")
         if local is None:
             _check_gpus(client, workers, timeout)
+            done("gpu check")
         # the scheduler knows the session before any of its messages leaves: if this controller vanishes or
         # attach fails from here on, ending it there ends it on the workers too
         session_id = new_session_id()
@@ -266,7 +326,14 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
         closers.insert(0, lambda: None if scheduler_gone(client) else client.sync(
             client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
         ))
+        done("session open")
+        if warm_up is not None:
+            warm_up.join(WARM_UP_JOIN)  # imports only while attach waits for others (the module's lock serializes it)
+            done("controller warm-up")
         session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
+        phases.update(session.attach_phases)  # the session's own steps, timed there
+        session.attach_phases = phases
+        mark[0] = time.perf_counter()
         warn_if_unencrypted(client.scheduler.address, workers)
         closers.insert(0, session.stop)  # runs after exit's drain; alone if attach fails below
         mesh = DeviceMesh(session, names, Slice.new_row_major(sizes), owner=True)
@@ -277,6 +344,9 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
 
         mesh._closer = close_mesh
         remember(mesh)
+        done("mesh")
+        logger.debug("dask_monarch: session %s attached %d ranks in %.3f s: %s", session.tag, len(workers),
+                     sum(phases.values()), ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
         if local is not None:
             print(f"dask_monarch: {len(workers)} workers on this machine; dashboard: {mesh.dashboard_link}",
                   file=sys.stderr, flush=True)

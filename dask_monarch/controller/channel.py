@@ -29,12 +29,13 @@ import concurrent.futures
 import logging
 import pickle
 import threading
+import time
 
 from distributed.comm import connect
 
 from ..worker.channel import CHANNEL_OP
 from .sockets import SocketLink
-from .tree import start_relays
+from .tree import relay_fanout, start_relays
 
 __all__ = ["Channels", "MODES"]
 
@@ -63,6 +64,7 @@ class Channels:
         #: with ``tree``: each rank's ``HostLink`` (``tree.py``) when its host's relay carries its batches and answers
         self.relays: list = [None] * session.world_size
         self.tree = tree and mode == "socket"
+        self.fanout = relay_fanout() if self.tree else 0  # Dask config monarch.relay-fanout (``ValueError``)
         #: per leader rank: the answer chunks its host's relay sent (one per fetch, for the whole host)
         self.host_chunks = [0] * session.world_size
         self._made: list = []  # every SocketLink made, lost ones included: joined at close
@@ -85,13 +87,17 @@ class Channels:
 
     # ---------------------------------------------------------------------------------------------- opening
     def open(self, timeout: float) -> None:
-        """Open every rank's channel, all at once, bounded by ``timeout`` seconds."""
+        """Open every rank's channel, all at once, bounded by ``timeout`` seconds (the seconds each step took go in
+        ``session.attach_phases``: ``channels``, ``relays``, ``sockets``)."""
+        start = time.perf_counter()
         try:
             self.client.sync(self._open_all, timeout, callback_timeout=timeout + 5)
         except Exception as e:
             for rank in range(len(self.comms)):
                 if self.comms[rank] is None:
                     self.reasons.setdefault(rank, f"{type(e).__name__}: {e}")
+        phases = self.session.attach_phases
+        phases["channels"] = time.perf_counter() - start
         if self.mode == "socket":
             self._connect_sockets(timeout)
 
@@ -102,11 +108,14 @@ class Channels:
         if self.tree:
             offers = {r: self._offers[r] for r in ranks if self._offers[r] is not None and "refused" not in
                       self._offers[r] and self._offers[r]["tls"] == (ssl_context is not None)}
+            start = time.perf_counter()
             failed = start_relays(self, offers, ssl_context, timeout)
+            self.session.attach_phases["relays"] = time.perf_counter() - start
             if failed:
                 logger.warning("dask_monarch: session %s: no relay for %s; those ranks use their own answer sockets",
                                self.session._key, "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())))
             ranks = [rank for rank in ranks if self.relays[rank] is None]
+        start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, min(32, len(ranks)))) as pool:
             for rank, why in zip(ranks, pool.map(lambda r: self._connect_rank(r, ssl_context, timeout), ranks)):
                 if why is None:
@@ -115,6 +124,7 @@ class Channels:
                 offer = self._offers[rank]
                 if offer is not None and "refused" not in offer:  # the worker stops waiting for them
                     self.client.loop.add_callback(self._write, rank, self.comms[rank], {"n": why})
+        self.session.attach_phases["sockets"] = time.perf_counter() - start
         self._offers = [None] * len(self._offers)
 
     def _connect_rank(self, rank: int, ssl_context, timeout: float) -> str | None:

@@ -8,22 +8,30 @@
 
 Each operation is one ``CallFunction`` of the op's ``torch.ops`` path, with output shapes, strides and aliasing
 from the op run on fake tensors on the controller (``remote.call_on_mesh``).
+
+``Tensor``'s ``+``, ``-``, ``*`` and ``/`` with a remote tensor or a Python int or float send their op from the
+operator itself (``operator_call``) where torch's dispatcher would hand our handler that very op and add nothing
+of its own: no autograd to record, no other mode or transform, no profiler, and a cached plan. torch's way into a
+Python mode costs more than the rest of the op (issue 27; BENCHMARKS.md "Per-op controller time").
 """
 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad
+import torch.autograd.profiler
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..protocol import ArgsKwargs, CallFunction, DeleteRefs, FunctionPath
+from .issue import call_cached
 from .local import is_propagating, propagating
 from .mesh import frontend, get_active_mesh
 from .remote import call_on_mesh
 from .stream import check_access
 from .tensor import OPERATORS, Tensor, note_type_error
 
-__all__ = ["MeshDispatchMode", "assign_data", "run_op", "skip_dynamo"]
+__all__ = ["MeshDispatchMode", "assign_data", "operator_call", "run_op", "skip_dynamo"]
 
 _aten = torch.ops.aten
 #: operations that stay local on local tensors even under an active mesh (spec §1)
@@ -107,6 +115,47 @@ class MeshDispatchMode(TorchDispatchMode):
         return run_op(func, args, kwargs, mesh, entry)
 
 
+_grad_enabled = torch.is_grad_enabled
+_function_modes = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+_transforms = torch._C._functorch.peek_interpreter_stack
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_jit_tracing = torch._C._get_tracing_state
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_forward_ad = torch.autograd.forward_ad
+_profiler = torch.autograd.profiler
+
+
+def operator_call(op, tensor: Tensor, other):
+    """``op(tensor, other)`` (``aten.add.Tensor``, ``sub.Tensor``, ``mul.Tensor`` or ``div.Tensor``: what torch's
+    dispatcher hands ``__torch_dispatch__`` for ``tensor + other`` and the like, ``other`` a remote ``Tensor`` or a
+    Python int or float), sent to the mesh without going through torch, if torch would add nothing to it:
+    ``tensor`` is exactly a ``Tensor``, no input needs autograd (or grad mode is off), no torch function mode,
+    no dispatch mode but ``MeshDispatchMode``, no functorch transform or forward-AD level, no profiler or JIT
+    tracer, torch dispatch not disabled, not propagating, and the call's plan is cached (``issue.call_cached``). (Autocast has
+    no rule for these ops.) Returns the result, or None where torch's way must run (nothing sent then). Raises
+    what the cached call raises (``TypeError`` DROPPED, WRONG_STREAM)."""
+    kind = type(other)
+    if kind is Tensor:
+        if (tensor.requires_grad or other.requires_grad) and _grad_enabled():
+            return None
+    elif kind is int or kind is float:
+        if tensor.requires_grad and _grad_enabled():
+            return None
+    else:
+        return None
+    if (type(tensor) is not Tensor or _function_modes() or is_propagating() or _profiler._is_profiler_enabled
+            or _forward_ad._current_level >= 0 or _transforms() is not None or _excluded(_PYTHON_KEY)
+            or _jit_tracing() is not None):
+        return None
+    modes = _dispatch_modes()
+    if modes and (modes > 1 or type(_dispatch_mode_at(0)) is not MeshDispatchMode):
+        return None
+    path, name, _ = _ops.get(op) or _op(op)
+    return call_cached(op, path, name, (tensor, other))
+
+
 # the mode's handler, and a remote tensor's op (its Python operator, its handler) called from a frame Dynamo runs
 for _fn in (MeshDispatchMode.__torch_dispatch__, Tensor.__torch_dispatch__.__func__, run_op, *OPERATORS):
     skip_dynamo(_fn)
@@ -155,4 +204,5 @@ def assign_data(tensor: Tensor, value) -> None:
 
 frontend.dispatch_mode = MeshDispatchMode
 frontend.run_op = run_op
+frontend.operator_call = operator_call
 frontend.assign_data = assign_data

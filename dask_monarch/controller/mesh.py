@@ -30,6 +30,8 @@ class Frontend:
     dispatch_mode = None
     #: ``dispatch.run_op(func, args, kwargs)``: every torch op on a remote tensor (``Tensor.__torch_dispatch__``)
     run_op = None
+    #: ``dispatch.operator_call(op, tensor, other)``: ``Tensor``'s ``+``, ``-``, ``*``, ``/`` without torch's dispatcher
+    operator_call = None
     #: ``dispatch.assign_data(tensor, value)``: ``tensor.data = value``
     assign_data = None
     #: ``reduce.reduce_one``: ``Tensor.reduce`` and ``Tensor.reduce_``

@@ -22,13 +22,12 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, PickledValue, Ref, StreamRef
 from ..protocol.function import resolve_path
+from .issue import MISS, cached, issue
 from .functions import dumps_by_value, function_of  # noqa: F401 (dumps_by_value: imported from here too)
 from .local import propagating
 from .mesh import DeviceMesh, frontend, get_active_mesh
 from .process_group import RemoteProcessGroup
-from .propagation import FRESH, INPUT, OF_INPUT, TENSOR, Plan, call_key
-from .session import DEFAULT_STREAM
-from .storage import Storage
+from .propagation import call_key
 from .stream import check_access, get_active_stream
 from .tensor import Tensor
 
@@ -195,77 +194,10 @@ def call_on_mesh(function, name: str, shapes, args: tuple, kwargs: dict, mesh=No
     # a torch op's FunctionPath follows from the op: the key leaves it out (its hash is a Python call)
     key, inputs = call_key(None if op is not None else function, shapes, args, kwargs, Tensor, DeviceMesh)
     if key is not None and inputs:
-        mesh = inputs[0].mesh
-        for x in inputs:
-            if x.mesh is not mesh:
-                mesh = None  # _mesh_of checks them, and says what is wrong
-                break
-            if x._dropped_at is not None:
-                x.check_usable()  # TypeError DROPPED
-        if mesh is not None:
-            propagator = mesh._session.propagator
-            plan = propagator.plan(key)
-            if plan is None and op is not None:  # the same op on inputs at other offsets (x[rows] each step)
-                plan = propagator.plan_at_other_offsets(key)
-            if plan is not None:
-                if not plan.groups:
-                    return _issue(plan, function, name, args, kwargs, inputs, mesh, (), check)
-                groups = _groups_in(args, kwargs)
-                if all(g.mesh._session is mesh._session for g in groups):  # else _mesh_of says what is wrong
-                    return _issue(plan, function, name, args, kwargs, inputs, mesh, groups, check)
+        result = cached(key, inputs, function, name, args, kwargs, op, check)
+        if result is not MISS:
+            return result
     return _call(function, name, shapes, args, kwargs, mesh, op, key, learn, check)
-
-
-def _groups_in(args: tuple, kwargs: dict) -> list:
-    """The ``RemoteProcessGroup`` arguments of a call."""
-    return [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, RemoteProcessGroup)]
-
-
-def _issue(plan: Plan, function, name: str, args: tuple, kwargs: dict, inputs: list, mesh, groups=(), check=False):
-    """Send the ``CallFunction`` of a call whose outputs ``plan`` describes, with the process groups ``groups``
-    among its arguments (each split on the call's stream first; ``check``: with the outputs' dtypes and shapes)."""
-    session = mesh._session
-    stream = get_active_stream()
-    with session.lock:
-        if session.failure is not None or session.closed:
-            session.check_ok()  # raises
-        stream_ref = DEFAULT_STREAM if stream.default else stream.ref_for(session)
-        if torch.get_default_dtype() is not session.default_dtype:
-            session.follow_default_dtype(stream_ref)
-        written = [inputs[i] for i in plan.written] if plan.written else ()
-        check_access(stream, inputs, written)
-        mutates = session.aliases_of(written) if written else ()
-        results, values, new = [], [], []
-        declared = [] if check else None
-        for step in plan.steps:
-            kind = step[0]
-            if kind == TENSOR:
-                _, meta, requires_grad, where, which = step
-                if where == FRESH:
-                    storage = Storage(which)
-                else:
-                    storage = (inputs[which] if where == OF_INPUT else values[which])._storage
-                t = Tensor.viewing(session.new_ref(), storage, meta, requires_grad, mesh, stream)
-                results.append(t.ref)
-                values.append(t)
-                new.append(t)
-                if check:
-                    declared.append((meta[3], tuple(meta[0])))
-            else:
-                results.append(None)
-                values.append(inputs[step[1]] if kind == INPUT else step[1])
-                if check:
-                    declared.append(None)
-        for group in groups:  # its communicator on this stream is built on its ranks before the call
-            group.ensure_split(stream_ref)
-        seq = session.new_call(new + mutates if mutates else new, inputs, name)
-        message = CallFunction(  # empty fields as the () singleton: fewer objects for the worker's GC to track
-            seq, results, tuple([t.ref for t in mutates]) if mutates else (), function,
-            ArgsKwargs(tuple(args), dict(kwargs)), stream_ref, tuple([g.ref for g in groups]) if groups else (),
-            tuple(declared) if check else None,
-        )
-        session.send(message, mesh._rank_list)
-    return values[0] if plan.spec is None else tree_unflatten(values, plan.spec)
 
 
 def _fakes(leaves: list, session) -> list:
@@ -315,7 +247,7 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool,
     with session.lock:
         if plan is not None:
             plan.groups = bool(groups)
-            return _issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups, check)
+            return issue(plan, function, name, tuple(sent_args), sent_kwargs, inputs, mesh, groups, check)
         written = list({id(t): t for t in [inputs[i] for i in mutated] + list(writes)}.values())
         check_access(stream, inputs, written)
         mutates = session.aliases_of(written)

@@ -165,7 +165,12 @@ class Session(Transport, Bookkeeping, Liveness):
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.exit_timeout = float(exit_timeout)
         self._worker_ids: dict | None = None  # rank address -> worker process id, once pinned
+        #: seconds each step of starting the session took, in order (``attach`` adds its own steps before these)
+        self.attach_phases: dict[str, float] = {}
+        start = time.perf_counter()
         self.pin_workers()
+        self.attach_phases["pin workers"] = time.perf_counter() - start
+        start = time.perf_counter()
         ids = self._worker_ids or {}
         # stuck_after: how long a rank may be busy on one message before the dashboard flags it and shows its stacks
         options = {"comm_timeout": float(comm_timeout), "stuck_after": float(stuck_after)}
@@ -206,6 +211,7 @@ class Session(Transport, Bookkeeping, Liveness):
             self.debugger = Debugger(self)  # breakpoint() in a remote function: pdb on the rank, driven from waits
             #: callables run once when the session stops (layers above the session release what they keep for it)
             self.on_stop: list = []
+            self.attach_phases["session state"] = time.perf_counter() - start
             if answer_channel:
                 tree = bool(dask.config.get("monarch.answer-tree", True))
                 self.channels = Channels(self, answer_channel, tree=tree)

@@ -209,8 +209,12 @@ def note_type_error(error: TypeError) -> None:
     _raised.error = error
 
 
-def _operator(base):
+def _operator(base, op=None):
     def operator(self, other):
+        if op is not None:  # + - * /: straight to the mesh where torch would add nothing (dispatch.operator_call)
+            result = frontend.operator_call(op, self, other)
+            if result is not None:
+                return result
         _raised.error = None
         result = base(self, other)
         if result is NotImplemented:
@@ -224,6 +228,11 @@ def _operator(base):
     return operator
 
 
+_aten = torch.ops.aten
+#: operators whose op torch's dispatcher hands ``__torch_dispatch__`` as ``op(self, other)`` for a remote or
+#: Python-number ``other`` (``1 + x`` and ``0.5 * x`` included): they may skip the dispatcher
+_DIRECT = {"add": _aten.add.Tensor, "radd": _aten.add.Tensor, "sub": _aten.sub.Tensor, "mul": _aten.mul.Tensor,
+           "rmul": _aten.mul.Tensor, "truediv": _aten.div.Tensor}
 #: the Python operators defined below (``dispatch.py`` marks them, as the dispatch itself, for Dynamo to skip)
 OPERATORS: list = []
 
@@ -234,4 +243,4 @@ for _name in (
     "radd rand rdiv rfloordiv rlshift rmatmul rmod rmul ror rpow rrshift rsub rtruediv rxor"
 ).split():
     if hasattr(torch.Tensor, f"__{_name}__"):
-        setattr(Tensor, f"__{_name}__", _operator(getattr(torch.Tensor, f"__{_name}__")))
+        setattr(Tensor, f"__{_name}__", _operator(getattr(torch.Tensor, f"__{_name}__"), _DIRECT.get(_name)))

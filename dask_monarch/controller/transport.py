@@ -10,9 +10,11 @@ carry an increasing number; the worker's inbox restores the order that Dask does
 Every batch travels as a pinned Dask task (keys ``monarch-<session>-messages-...``; ``monarch-<session>-fetch-...``,
 ``-status-...``, ``-exit-...`` for a batch that ends with ``RequestStatus``: ``task_keys``). When the
 rank has an answer channel (``channel.py``), the batch is written on it at once, and its task waits up to
-``task_interval`` seconds, travelling with the rank's other batches of that time as one task (an exit's goes at
-once). The answers come back in numbered chunks of the worker's outbox, on the channel or in the ``sync_batch``
-tasks' results, and a rank's chunks are applied in that order, whichever way and in whatever order they come.
+``task_period`` seconds, travelling with the rank's other batches of that time as one task (an exit's goes at
+once). A batch its host's relay took (``tree.py``: its only way, as a lost relay fails the session) goes in its
+task as its number alone, a receipt the inbox ignores: its bytes (~1 KB an eager op a rank) skip the scheduler.
+The answers come back in numbered chunks of the worker's outbox, on the channel or in the ``sync_batch`` tasks'
+results, and a rank's chunks are applied in that order, whichever way and in whatever order they come.
 """
 
 from __future__ import annotations
@@ -217,9 +219,12 @@ class Transport:
                 continue
             self._submit(rank)
         for host, (entries, segs, _) in hosts.items():
-            if host.send(entries, segs) and not exit_after:
-                self._tasks_later()
-                continue
+            if host.send(entries, segs):
+                for rank, _, _ in entries:  # its task carries its number alone (the module's docstring)
+                    self._later[rank][-1] = (self._later[rank][-1][0], None, self._later[rank][-1][2])
+                if not exit_after:
+                    self._tasks_later()
+                    continue
             for rank, _, _ in entries:
                 self._submit(rank)
 
@@ -242,22 +247,15 @@ class Transport:
         syncs = [sync for _, _, sync in entries if sync is not None]
         common = dict(workers=[self.workers[rank]], allow_other_workers=False, pure=False, priority=-entries[0][0])
         params, last = self.params[rank], entries[-1][0]
+        one = len(entries) == 1  # deliver_batch / sync_batch, else deliver_batches / sync_batches
+        args = (last, entries[0][1]) if one else ([(b, segments) for b, segments, _ in entries],)
         if syncs:
             status_seq, kind = max(s[0] for s in syncs), syncs[-1][1]
-            key = task_key(kind, self.id, rank, last)
-            if len(entries) == 1:
-                fut = self.client.submit(sync_batch, params, last, entries[0][1], status_seq, kind == "exit", key=key,
-                                         **common)
-            else:
-                batches = [(b, segments) for b, segments, _ in entries]
-                fut = self.client.submit(sync_batches, params, batches, status_seq, kind == "exit", key=key, **common)
+            fut = self.client.submit(sync_batch if one else sync_batches, params, *args, status_seq, kind == "exit",
+                                     key=task_key(kind, self.id, rank, last), **common)
         else:
-            key = task_key("messages", self.id, rank, last)
-            if len(entries) == 1:
-                fut = self.client.submit(deliver_batch, params, last, entries[0][1], key=key, **common)
-            else:
-                batches = [(b, segments) for b, segments, _ in entries]
-                fut = self.client.submit(deliver_batches, params, batches, key=key, **common)
+            fut = self.client.submit(deliver_batch if one else deliver_batches, params, *args,
+                                     key=task_key("messages", self.id, rank, last), **common)
         self._answers.add(fut, sync=bool(syncs))
         for _, _, tasks in syncs:
             if tasks is not None:
@@ -372,6 +370,8 @@ class Transport:
         that came already is ignored."""
         if type(blob) is tuple:
             chunk, messages = blob
+        elif type(blob) is int:  # a relayed rank's chunk of Status alone (``Outbox._take``), if its relay was lost
+            chunk, messages = None, [Status(blob, self.workers[rank])]
         else:
             try:
                 chunk, messages = pickle.loads(blob)

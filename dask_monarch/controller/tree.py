@@ -13,7 +13,12 @@ connects one ``HostLink`` to the relay instead of a ``SocketLink`` per rank. The
   value and any failure (a rank's own chunk, naming the rank);
 * the link breaking (the leader's worker died, or its relay stopped) fails the session at once, naming the leader's
   worker (``_gone``); a rank's sockets to the relay breaking fails it naming that rank's worker. A host whose relay
-  cannot be started keeps a ``SocketLink`` per rank, as without the tree.
+  cannot be started keeps a ``SocketLink`` per rank, as without the tree;
+* on a host of more ranks than Dask config ``monarch.relay-fanout`` (default 64), the host relay serves the first
+  that many ranks itself and the rest through sub-relays of that many ranks each, every one in its own leader's
+  worker process (a second level of the tree: the work of a big host is spread over processes and cores instead of
+  one GIL; a sub-relay's ``("s", seq)`` stands for all its ranks). A lost sub-relay fails the session naming its
+  ranks and its leader's worker (``("l", rank, why)`` for each of its ranks).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import pickle
 import threading
 
+import dask
 from distributed.comm import connect
 
 from ..exceptions import SessionError
@@ -30,7 +36,7 @@ from ..protocol import FetchResult, SessionFailed, Status
 from ..worker.relay import RELAY_OP
 from .sockets import SocketLink
 
-__all__ = ["HostLink", "group_by_host", "start_relays"]
+__all__ = ["HostLink", "group_by_host", "relay_fanout", "split_host", "start_relays"]
 
 logger = logging.getLogger("dask_monarch.controller")
 
@@ -44,17 +50,54 @@ def group_by_host(offers: dict) -> list[list[int]]:
     return [ranks for ranks in groups.values() if len(ranks) > 1]
 
 
-async def _ask_relay(client, session, ranks: list[int], offers: dict, timeout: float) -> dict:
-    """Ask the worker of ``ranks[0]`` (the leader) to start the host's relay; its answer (``{"ready": offer}`` or
-    ``{"refused": why}``)."""
+def relay_fanout() -> int:
+    """Dask config ``monarch.relay-fanout`` (default 64): the most ranks a relay serves itself; a host of more ranks
+    gets sub-relays of that many ranks each (the next ranks in order, the lowest leading), each in its leader's worker
+    process, under the host's relay. The default keeps one relay per host up to 64 ranks: on 2 cores a host of 16
+    ranks fetched slower with sub-relays of 8 (BENCHMARKS.md) and they are not yet measured on a many-core host. Raises ``ValueError`` naming the key unless it is an integer of 2 or more."""
+    value = dask.config.get("monarch.relay-fanout", 64)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"Dask config monarch.relay-fanout must be an integer of 2 or more, got {value!r}")
+    return value
+
+
+def split_host(ranks: list[int], fanout: int) -> tuple[list[int], list[list[int]]]:
+    """A host's ranks (lowest first) as the host relay's own ranks and its sub-relays' groups (``relay_fanout``);
+    a last group of one rank is the host relay's own."""
+    groups = [ranks[i:i + fanout] for i in range(0, len(ranks), fanout)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        groups[0] = groups[0] + groups.pop()
+    return groups[0], groups[1:]
+
+
+async def _ask_relay(client, session, ranks: list[int], offers: dict, timeout: float, children=None) -> dict:
+    """Ask the worker of ``ranks[0]`` (the leader) to start a relay of ``ranks`` (and of the sub-relays
+    ``children``, ``{leader: {"offer", "ranks"}}``); its answer (``{"ready": offer}`` or ``{"refused": why}``)."""
     leader = ranks[0]
     comm = await connect(session.workers[leader], timeout=timeout, **client.connection_args)
     try:
-        await comm.write({"op": RELAY_OP, "reply": False, "params": pickle.dumps(session.params[leader]),
-                          "offers": pickle.dumps({r: offers[r] for r in ranks})})
+        msg = {"op": RELAY_OP, "reply": False, "params": pickle.dumps(session.params[leader]),
+               "offers": pickle.dumps({r: offers[r] for r in ranks})}
+        if children:
+            msg["children"] = pickle.dumps(children)
+        await comm.write(msg)
         return await asyncio.wait_for(comm.read(), timeout)
     finally:
         comm.abort()
+
+
+async def _ask_host(client, session, ranks: list[int], offers: dict, timeout: float, fanout: int) -> dict:
+    """Start a host's relays: its sub-relays first (all at once), then the host relay over them and its own ranks;
+    the host relay's answer, or the first refusal (naming the sub-relay's leader)."""
+    own, groups = split_host(ranks, fanout)
+    answers = await asyncio.gather(*(_ask_relay(client, session, g, offers, timeout) for g in groups))
+    children = {}
+    for group, answer in zip(groups, answers):
+        if not isinstance(answer, dict) or "ready" not in answer:
+            return {"refused": f"the sub-relay of ranks {group} on rank {group[0]} ({session.workers[group[0]]}) "
+                               f"answered {answer!r}"}
+        children[group[0]] = {"offer": answer["ready"], "ranks": group}
+    return await _ask_relay(client, session, own, offers, timeout, children)
 
 
 def start_relays(channels, offers: dict, ssl_context, timeout: float) -> dict[int, str]:
@@ -65,14 +108,15 @@ def start_relays(channels, offers: dict, ssl_context, timeout: float) -> dict[in
     groups = group_by_host(offers)
     if not groups:
         return {}
+    fanout = channels.fanout
 
     async def ask_all():
-        return await asyncio.gather(*(_ask_relay(client, session, ranks, offers, timeout) for ranks in groups),
+        return await asyncio.gather(*(_ask_host(client, session, ranks, offers, timeout, fanout) for ranks in groups),
                                     return_exceptions=True)
 
     failed: dict[int, str] = {}
     try:
-        answers = client.sync(ask_all, callback_timeout=timeout + 5)
+        answers = client.sync(ask_all, callback_timeout=2 * timeout + 5)  # sub-relays, then the host's
     except Exception as e:
         answers = [e] * len(groups)
     for ranks, answer in zip(groups, answers):
@@ -83,7 +127,7 @@ def start_relays(channels, offers: dict, ssl_context, timeout: float) -> dict[in
             why = f"the leader answered {answer!r}"
         else:
             try:
-                link = HostLink(channels, ranks, answer["ready"], ssl_context, timeout)
+                link = HostLink(channels, ranks, answer["ready"], ssl_context, timeout, fanout)
             except Exception as e:
                 why = f"could not connect to the relay: {type(e).__name__}: {e}"
             else:
@@ -101,9 +145,11 @@ class HostLink(SocketLink):
     is the leader. ``send(batches, segments)`` writes one flush's batches for the host (``[(rank, batch, [segment
     index, ...])]``); ``answers`` counts the answer chunks the relay sent (one per fetch when all goes well)."""
 
-    def __init__(self, channels, ranks: list[int], offer: dict, ssl_context, timeout: float):
+    def __init__(self, channels, ranks: list[int], offer: dict, ssl_context, timeout: float, fanout: int = 64):
         self.ranks = list(ranks)
         self.answers = 0
+        #: each rank served by a sub-relay -> the sub-relay's leader (``split_host``)
+        self.sub_relay = {r: group[0] for group in split_host(self.ranks, fanout)[1] for r in group}
         super().__init__(channels, ranks[0], offer, ssl_context, timeout)
 
     def _apply(self, blob) -> None:
@@ -161,9 +207,11 @@ class HostLink(SocketLink):
     def _rank_lost(self, rank: int, why: str) -> None:
         session = self.channels.session
         if session.failure is None and not session.closed and rank not in self.channels.ended:
+            relay = self.sub_relay.get(rank, self.rank)
+            kind = "sub-relay" if relay != self.rank else "host's relay"
             session._fail(SessionError(
-                f"session {session.id}: the answer sockets of rank {rank} ({session.workers[rank]}) to its host's "
-                f"relay on rank {self.rank} ({session.workers[self.rank]}) broke ({why}): its worker died or "
+                f"session {session.id}: the answer sockets of rank {rank} ({session.workers[rank]}) to its {kind} "
+                f"on rank {relay} ({session.workers[relay]}) broke ({why}): that worker or the rank's died or "
                 f"stopped{session._meanwhile()}"))
 
     def _gone(self, error: BaseException) -> None:

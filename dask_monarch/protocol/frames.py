@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import pickle
 import socket
+import ssl
 import struct
 import time
 
-__all__ = ["ACCEPTED", "CHUNK", "DOWN", "UP", "TOKEN_BYTES", "FrameTooLarge", "connect", "connect_pair", "receivable",
-           "recv_exact", "recv_frame", "send_frame", "shutdown"]
+__all__ = ["ACCEPTED", "CHUNK", "DOWN", "UP", "TOKEN_BYTES", "FrameReader", "FrameTooLarge", "connect", "connect_pair",
+           "receivable", "recv_exact", "recv_frame", "send_frame", "shutdown"]
 
 HEADER = struct.Struct("<QI")
 LENGTH = struct.Struct("<Q")
@@ -115,6 +116,81 @@ def recv_frame(sock: socket.socket, limit: int, idle=None):
     body = recv_exact(sock, n, idle)
     buffers = [recv_exact(sock, size, idle) for size in sizes]
     return pickle.loads(body, buffers=buffers)
+
+
+def _check(declared: int, limit: int) -> None:
+    if declared > limit:
+        raise FrameTooLarge(f"a frame declares {declared} bytes, more than this session can receive ({limit} bytes)")
+
+
+class FrameReader:
+    """``recv_frame`` for a non-blocking socket served by a selector (``worker/relay.py`` reads all of a host's ranks
+    on one thread): ``read(out)`` takes what ``sock`` has now and appends to ``out`` the frames it completed, keeping
+    a partial frame for the next call. The same checks as ``recv_frame``: a frame that declares more than ``limit``
+    bytes raises ``FrameTooLarge`` before anything is allocated for it, and memory is taken as the bytes arrive (at
+    most ``CHUNK`` ahead of them); out-of-band buffers are read into their own memory. Raises ``EOFError`` if the peer
+    closed the socket (after the frames completed before it are in ``out``), ``OSError`` if it broke."""
+
+    def __init__(self, sock: socket.socket, limit: int):
+        self.sock = sock
+        self.limit = limit
+        self._start()
+
+    def _start(self) -> None:
+        self._stage = "header"
+        self._sizes: list = []
+        self._body = None
+        self._buffers: list = []
+        self._want(HEADER.size)
+
+    def _want(self, n: int) -> None:
+        self._n = n
+        self._got = 0
+        self._buf = bytearray(min(n, CHUNK))
+
+    def read(self, out: list) -> None:
+        sock = self.sock
+        while True:
+            while self._got == self._n:  # a part is complete (or empty: an empty tensor's buffer)
+                self._next(out)
+            if self._got == len(self._buf):  # realloc: a large buffer grows in place (mremap), nothing copied
+                self._buf.extend(bytes(min(self._n - self._got, CHUNK)))
+            try:
+                k = sock.recv_into(memoryview(self._buf)[self._got:])
+            except (BlockingIOError, ssl.SSLWantReadError):  # all that arrived is read (a TLS record's rest too)
+                return
+            if k == 0:
+                raise EOFError("the peer closed the connection")
+            self._got += k
+
+    def _next(self, out: list) -> None:
+        """The part being read is complete: go on to the next one, or append the frame it completed."""
+        buf, stage = self._buf, self._stage
+        if stage == "header":
+            n, count = HEADER.unpack(buf)
+            _check(n + count * LENGTH.size, self.limit)
+            self._body_size = n
+            if count:
+                self._stage = "lengths"
+                self._want(count * LENGTH.size)
+                return
+        elif stage == "lengths":
+            self._sizes = [size for (size,) in LENGTH.iter_unpack(buf)]
+            _check(self._body_size + sum(self._sizes), self.limit)
+        elif stage == "body":
+            self._body = buf
+        else:
+            self._buffers.append(buf)
+        if stage in ("header", "lengths"):
+            self._stage = "body"
+            self._want(self._body_size)
+        elif len(self._buffers) < len(self._sizes):
+            self._stage = "buffer"
+            self._want(self._sizes[len(self._buffers)])
+        else:
+            body, buffers = self._body, self._buffers
+            self._start()
+            out.append(pickle.loads(body, buffers=buffers))
 
 
 def shutdown(sock: socket.socket | None) -> None:

@@ -223,16 +223,25 @@ _WORKS = {
 def _abi_ids() -> list[bytes]:
     """The pybind11 ABI ids (``PYBIND11_PLATFORM_ABI_ID``) of the pybind11 builds loaded in this interpreter, from
     the names under which they keep their internals (``__pybind11_internals_v<N>_<id>__``: pybind11 >= 3 in the
-    interpreter's state dict, older ones in ``builtins``); the conduit answers only to its own build's id."""
+    interpreter's state dict, older ones in ``builtins``); the conduit answers only to its own build's id.
+
+    ``PyInterpreterState_GetDict`` returns a borrowed reference: it is read through a ``c_void_p`` and
+    ``ctypes.cast`` (which takes a reference of its own), never as a ``py_object`` result, which ctypes takes to be
+    a new reference and releases: that dropped the interpreter's dict (its only reference) to 0 and freed it while
+    the interpreter still held it, and the interpreter's release of it at exit then decremented whatever had
+    reused that memory; processes that had aborted a gloo transfer crashed with SIGSEGV in the collector's last
+    run (``Py_FinalizeEx -> interpreter_clear -> gc_collect_main``; the test process, 2026-12-05)."""
     import builtins
 
     names = list(vars(builtins))
     try:
         api = ctypes.PyDLL(None)  # the interpreter's C API, with our own function objects (not ctypes.pythonapi's)
         api.PyInterpreterState_Get.restype = ctypes.c_void_p
-        api.PyInterpreterState_GetDict.restype = ctypes.py_object
+        api.PyInterpreterState_GetDict.restype = ctypes.c_void_p
         api.PyInterpreterState_GetDict.argtypes = [ctypes.c_void_p]
-        names += list(api.PyInterpreterState_GetDict(api.PyInterpreterState_Get()))
+        state_dict = api.PyInterpreterState_GetDict(api.PyInterpreterState_Get())
+        if state_dict:
+            names += list(ctypes.cast(state_dict, ctypes.py_object).value)
     except (OSError, AttributeError, ValueError):
         pass
     found = []

@@ -62,7 +62,11 @@ class Inbox:
         self._closed = False
 
     def put(self, batch_seq: int, segments: list) -> bool:
-        """Accept batch ``batch_seq`` (a list of segments, ``protocol/batch.py``). Returns False for a duplicate."""
+        """Accept batch ``batch_seq`` (a list of segments, ``protocol/batch.py``). Returns False for a duplicate, and
+        for ``segments`` None: a receipt, the task copy of a batch that travels on its host's relay alone
+        (``controller/transport.py``)."""
+        if segments is None:
+            return False
         with self._cond:
             if self._closed or batch_seq < self._next or batch_seq in self._pending:
                 return False

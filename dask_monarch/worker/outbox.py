@@ -95,6 +95,8 @@ class Outbox:
             return None
         chunk = self._next
         self._next += 1
+        if self.relayed and all(type(m) is Status for m in messages):
+            return chunk, max(m.seq for m in messages)  # all a relay reads of it (``HostRelay.chunk``): no pickle
         return chunk, dumps_chunk(chunk, messages, self.actor_id)
 
     # -------------------------------------------------------------------------------------------- channel

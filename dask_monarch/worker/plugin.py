@@ -81,11 +81,14 @@ class MonarchWorkerPlugin(WorkerPlugin):
         answer sockets (``worker/channel.py``, ``worker/sockets.py``)."""
         await serve(self, comm, params, sockets)
 
-    async def relay(self, comm, params: bytes, offers: bytes) -> None:
+    async def relay(self, comm, params: bytes, offers: bytes, children: bytes | None = None) -> None:
         """Handler ``monarch_relay``: start this host's relay of a session on its leader (``worker/relay.py``),
-        connected to the answer sockets ``offers`` (pickled ``{rank: offer}``) of the host's ranks, and answer
-        ``{"ready": offer}`` (the relay's own sockets) or ``{"refused": why}``."""
+        connected to the answer sockets ``offers`` (pickled ``{rank: offer}``) of the host's ranks, and to the
+        sub-relays ``children`` (pickled ``{leader: {"offer": offer, "ranks": [rank, ...]}}``, on a host of more
+        ranks than Dask config ``monarch.relay-fanout``), and answer ``{"ready": offer}`` (the relay's own sockets)
+        or ``{"refused": why}``. A sub-relay is started the same way, without ``children``."""
         params, offers = pickle.loads(params), pickle.loads(offers)
+        children = pickle.loads(children) if children is not None else None
         session_id, rank = params[0], params[1]
         worker = self.worker
         try:
@@ -95,7 +98,8 @@ class MonarchWorkerPlugin(WorkerPlugin):
             listen = worker.security.get_listen_args("worker").get("ssl_context")
             connect = worker.security.get_connection_args("worker").get("ssl_context")
             limit = receivable(worker.memory_manager.memory_limit)
-            relay = await asyncio.to_thread(HostRelay, session_id, rank, offers, host, listen, connect, limit)
+            relay = await asyncio.to_thread(HostRelay, session_id, rank, offers, host, listen, connect, limit,
+                                            children)
         except Exception as e:
             await comm.write({"refused": f"{type(e).__name__}: {e}"})
             return
@@ -231,13 +235,14 @@ async def deliver_batch(params: SessionParams, batch_seq: int, segments: list) -
 
 async def deliver_batches(params: SessionParams, batches: list) -> int:
     """Hand ``batches`` (``(batch_seq, segments)`` pairs) to the session's inbox, which ignores those it already has
-    (they came on the answer channel). Returns the number of segments (0 if the session already ended here)."""
+    (they came on the answer channel) and the receipts (None: the batch came through its host's relay). Returns the
+    number of segments (0 if the session already ended here)."""
     tw = _plugin().tensor_worker(params)
     if tw is None:
         return 0
     for batch_seq, segments in batches:
         tw.inbox.put(batch_seq, segments)
-    return sum(len(segments) for _, segments in batches)
+    return sum(len(segments) for _, segments in batches if segments is not None)
 
 
 def sync_batch(params: SessionParams, batch_seq: int, segments: list, status_seq: int, exit: bool = False) -> list:
