@@ -16,8 +16,11 @@ import torch
 from distributed import Client, LocalCluster, wait
 
 import dask_monarch as dm
+from conftest import _cli_cluster, wait_until
 from dask_monarch.controller.task_keys import parse_task_key
+from dask_monarch.controller.tree import HostLink
 from dask_monarch.protocol import RemoteFunctionFailed
+from processes import sigstop
 from test_remote_functions import bogus
 
 TIMEOUT = 60
@@ -238,3 +241,41 @@ def test_a_bad_relay_fanout_is_refused_naming_the_key(client2):
     with dask.config.set({"monarch.relay-fanout": 1}):
         with pytest.raises(ValueError, match=r"monarch\.relay-fanout must be an integer of 2 or more, got 1"):
             dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+
+
+
+def test_a_rank_lost_before_its_relay_closed_is_the_rank_named(tmp_path, monkeypatch):
+    """Rank 1's worker is SIGKILLed (the relay on rank 0 reports its sockets broken, ``("l", 1)``), then rank 0's
+    worker too, with the scheduler stopped so that its report of rank 1 leaving cannot come first, and before the
+    grace of the relay's report ends: the relay closing is the second news, and the session's error leads with rank
+    1's worker, not the relay on rank 0 (test_faults' iter_from_dask test once failed on an error that named only
+    the relay on rank 0, whose worker had died after the victim's)."""
+    monkeypatch.setattr(HostLink, "LOST_GRACE", 120.0)  # only the relay's end can fail the session
+    for address, procs in _cli_cluster(tmp_path, [(), ()]):
+        client = Client(address, set_as_default=False)
+        try:
+            client.wait_for_workers(2, timeout=60)
+            # liveness checks far away: they would ask the stopped scheduler
+            mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60, liveness_interval=600)
+            link = mesh._session.channels.relays[1]
+            with mesh.activate():
+                x = mesh.rank("dp") + torch.zeros(2)
+            assert dm.inspect(x, dp=1).tolist() == [1.0] * 2
+            # waits on both ranks (a lambda: the CLI workers cannot import this module)
+            future = dm.fetch_shard(dm.remote(lambda x: (time.sleep(60), x)[1], propagate=lambda x: x)(x), dp=1)
+            pids = client.run(os.getpid)
+            leader, victim = mesh.workers[0], mesh.workers[1]
+            sigstop(procs[0].pid)  # the scheduler
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+                assert wait_until(lambda: 1 in link.lost_ranks, 60)
+                os.kill(pids[leader], signal.SIGKILL)
+                with pytest.raises(dm.SessionError) as info:
+                    future.result(timeout=120)
+            finally:
+                os.kill(procs[0].pid, signal.SIGCONT)
+            head = str(info.value).split("\n(meanwhile")[0]
+            assert f"rank 1 ({victim})" in head, info.value
+            mesh.exit()  # already reported: exit cleans up without raising
+        finally:
+            client.close()

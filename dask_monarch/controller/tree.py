@@ -12,7 +12,8 @@ connects one ``HostLink`` to the relay instead of a ``SocketLink`` per rank. The
   (``("s", seq)``, applied with ``Session._on_host_answers`` to every rank of the host at once) with the fetched
   value and any failure (a rank's own chunk, naming the rank);
 * the link breaking (the leader's worker died, or its relay stopped) fails the session at once, naming the leader's
-  worker (``_gone``); a rank's sockets to the relay breaking fails it naming that rank's worker. A host whose relay
+  worker (``_gone``), or the rank whose sockets to the relay the relay reported broken before it closed; a rank's
+  sockets to the relay breaking fails it naming that rank's worker. A host whose relay
   cannot be started keeps a ``SocketLink`` per rank, as without the tree;
 * on a host of more ranks than Dask config ``monarch.relay-fanout`` (default 64), the host relay serves the first
   that many ranks itself and the rest through sub-relays of that many ranks each, every one in its own leader's
@@ -150,6 +151,8 @@ class HostLink(SocketLink):
         self.answers = 0
         #: each rank served by a sub-relay -> the sub-relay's leader (``split_host``)
         self.sub_relay = {r: group[0] for group in split_host(self.ranks, fanout)[1] for r in group}
+        #: rank -> why, for the ranks whose sockets to the relay broke (``"l"``), in the order the relay said so
+        self.lost_ranks: dict[int, str] = {}
         super().__init__(channels, ranks[0], offer, ssl_context, timeout)
 
     def _apply(self, blob) -> None:
@@ -182,6 +185,7 @@ class HostLink(SocketLink):
             elif kind == "l" and not session.closed and entry[1] not in channels.ended:
                 # its worker died, most likely: the scheduler ends the session on the others, whose report names it
                 # (SessionFailed, through this relay); failing here is the bound if nothing else comes
+                self.lost_ranks.setdefault(entry[1], entry[2])
                 timer = threading.Timer(self.LOST_GRACE, self._rank_lost, (entry[1], entry[2]))
                 timer.daemon = True
                 timer.start()
@@ -216,9 +220,17 @@ class HostLink(SocketLink):
 
     def _gone(self, error: BaseException) -> None:
         """The relay's sockets broke: its ranks' answers had no other way, so the session fails naming the leader's
-        worker (unless the session is ending: then every rank of the host said so first)."""
+        worker (unless the session is ending: then every rank of the host said so first). If the relay said first
+        that a rank's sockets broke (``"l"``), that rank is the news and the relay's end came after it: the error names
+        that rank (``_rank_lost``), even though the relay closed before the grace ended or the scheduler's report
+        came."""
         channels = self.channels
         if channels._closing or all(r in channels.ended for r in self.ranks):
+            return
+        lost = [r for r in self.lost_ranks if r not in channels.ended]
+        if lost:
+            self._rank_lost(lost[0], f"{self.lost_ranks[lost[0]]}; then the relay on rank {self.rank} closed: "
+                                     f"{type(error).__name__}: {error}")
             return
         session = channels.session
         session._fail(SessionError(
