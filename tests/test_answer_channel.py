@@ -30,8 +30,8 @@ def test_an_answer_that_comes_while_the_session_lock_is_held_waits_for_it_withou
         session = mesh._session
         with mesh.activate():
             t = torch.arange(4.0) * 3
-        fut = dm.fetch_shard(t)
-        with session.lock:
+        with session.lock:  # a reentrant lock: taken before the fetch is sent, so its answer cannot come before
+            fut = dm.fetch_shard(t)
             time.sleep(0.5)  # the answer comes meanwhile
             client1.sync(asyncio.sleep, 0.01, callback_timeout=10)  # the event loop still runs
             assert not fut.done(), "an answer was applied while the session lock was held elsewhere"
