@@ -176,7 +176,9 @@ def test_after_a_restart_no_worker_holds_the_session(fixed_port_cli_cluster, cli
         expected = rf"^session \w+: worker\(s\) (shutting down|left the cluster)[^:]*: rank 1 \({victim}\);"
     else:
         restarting = threading.Thread(target=client.restart, kwargs={"timeout": 60})
-        expected = r"cancelled \(the cluster was restarted"
+        # every worker restarts: the tasks' cancellation, or the scheduler's view of the workers shutting down
+        # (when the host relay's sockets close first), leads the error
+        expected = r"cancelled \(the cluster was restarted|^session \w+: worker\(s\) (shutting down|left the cluster)"
     restarting.start()
     with pytest.raises(dm.SessionError, match=expected):
         future.result(timeout=TIMEOUT)

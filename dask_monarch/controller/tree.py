@@ -223,7 +223,8 @@ class HostLink(SocketLink):
         worker (unless the session is ending: then every rank of the host said so first). If the relay said first
         that a rank's sockets broke (``"l"``), that rank is the news and the relay's end came after it: the error names
         that rank (``_rank_lost``), even though the relay closed before the grace ended or the scheduler's report
-        came."""
+        came. Where the scheduler already sees workers of the session shutting down, restarted or gone (a cluster
+        restart closes every relay too), that leads the error, as liveness would say it."""
         channels = self.channels
         if channels._closing or all(r in channels.ended for r in self.ranks):
             return
@@ -233,7 +234,11 @@ class HostLink(SocketLink):
                                      f"{type(error).__name__}: {error}")
             return
         session = channels.session
-        session._fail(SessionError(
-            f"session {session.id}: the relay of ranks {self.ranks} on rank {self.rank} ({session.workers[self.rank]}) "
-            f"closed ({type(error).__name__}: {error}): the answers of those ranks travel only through it; its "
-            f"worker died or stopped{session._meanwhile()}"))
+        relay = (f"the relay of ranks {self.ranks} on rank {self.rank} ({session.workers[self.rank]}) closed "
+                 f"({type(error).__name__}: {error})")
+        departed = session._departed()
+        if departed:  # the scheduler already sees why (workers shutting down, restarted, gone): that leads
+            session._fail(SessionError(f"session {session.id}: {departed}; then {relay}"))
+            return
+        session._fail(SessionError(f"session {session.id}: {relay}: the answers of those ranks travel only through "
+                                   "it; its worker died or stopped"))
