@@ -31,6 +31,7 @@ from distributed.comm.addressing import get_address_host
 from distributed.protocol import to_serialize
 
 from ..protocol.frames import receivable
+from .inbox import SocketInbox
 from .sockets import SocketEnd
 
 __all__ = ["CHANNEL_OP", "serve"]
@@ -74,7 +75,7 @@ def _offer_sockets(plugin, tw, on_lost):
         host = get_address_host(worker.address)
         ssl_context = worker.security.get_listen_args("worker").get("ssl_context")
         limit = receivable(worker.memory_manager.memory_limit)
-        end = SocketEnd(tw.session_id, tw.rank, tw.inbox, tw.outbox, host, ssl_context, on_lost, limit)
+        end = SocketEnd(tw.session_id, tw.rank, SocketInbox(tw), tw.outbox, host, ssl_context, on_lost, limit)
     except Exception as e:  # an address without a host (inproc://), no port free, ...
         return None, {"refused": f"{type(e).__name__}: {e}"}
     return end, end.offer

@@ -211,6 +211,7 @@ class TensorWorker(CommHandlers):
             finally:
                 self.busy = False
                 self.flush_streams()
+                self.inbox.done()
         if self.failure is not None:
             self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
 
