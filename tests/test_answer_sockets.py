@@ -396,3 +396,29 @@ def test_a_frame_is_checked_against_the_limit_before_its_buffers_are_read():
     finally:
         a.close()
         b.close()
+
+
+def test_a_small_frame_goes_in_one_send_and_a_full_socket_falls_back_to_the_bounded_write():
+    """``frames.send_frame``: a small frame on a blocking socket with room goes out in one ``send`` (no ``poll``, no
+    ``settimeout``) and leaves the socket blocking; when the peer's buffers are full, the rest of the frame is
+    written within the bound (whole, in order), and a peer that stopped reading raises ``TimeoutError``."""
+    a, b = socket.socketpair()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        frames.send_frame(a, {"x": 1}, 5.0)
+        assert frames.recv_frame(b, 1 << 20) == {"x": 1}
+        assert a.gettimeout() is None
+        got = []
+        reader = threading.Thread(target=lambda: got.extend(frames.recv_frame(b, 1 << 20)["i"] for _ in range(20)))
+        reader.start()
+        for i in range(20):  # 60 kB each, far more than the socket buffers hold: most need the bounded write
+            frames.send_frame(a, {"i": i, "d": bytes(60_000)}, 5.0)
+            assert a.gettimeout() is None
+        reader.join(30)
+        assert got == list(range(20))
+        with pytest.raises(TimeoutError):
+            for _ in range(200):  # nobody reads b any more
+                frames.send_frame(a, {"d": bytes(60_000)}, 0.2)
+    finally:
+        a.close()
+        b.close()

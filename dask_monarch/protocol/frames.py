@@ -62,8 +62,21 @@ def send_frame(sock: socket.socket, obj, timeout: float) -> None:
     buffers: list = []
     blob = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     if not buffers and len(blob) <= _SMALL:
+        data = HEADER.pack(len(blob), 0) + blob
+        if type(sock) is socket.socket and sock.gettimeout() is None:
+            # a blocking plain socket with room for the frame (the usual case) takes it in one ``send`` syscall:
+            # with a timeout set, CPython adds a ``poll`` before it and ``settimeout`` an ``ioctl``, and each of the
+            # three releases and retakes the GIL of a busy process (a relay's, a rank's; bench/fetch_costs.py)
+            try:
+                sent = sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
         sock.settimeout(timeout + len(blob) / MIN_RATE)
-        sock.sendall(HEADER.pack(len(blob), 0) + blob)
+        sock.sendall(data)
+        sock.settimeout(None)  # blocking again: the next frame may take the one-syscall way
         return
     views = [b.raw() for b in buffers]
     total = len(blob) + sum(v.nbytes for v in views)
