@@ -6,11 +6,11 @@
   the sync after it not counted);
 * ``compiled``: controller time per call of a compiled 8-op function (``dm.compile``; us: the calls' wall time over
   their number, the sync after them not counted);
-* ``sched CPU``: the scheduler process's CPU time (``psutil``, in clock ticks of 10 ms) from the start of each
-  round's op loop to the end of its compiled calls and their syncs, summed over the rounds, over the same spans'
-  wall time, in %: the span includes the syncs, which submit the loops' batch task copies (a copy waits up to
-  ``task_interval`` times the ranks, 0.4 s at 8 ranks, longer than a round's op loop: over the loop alone the
-  scheduler had nothing to do and the column read 0);
+* ``sched CPU``: the scheduler process's CPU time (``psutil``) over ``--cpu-seconds`` (default 4) of eager ops
+  (``x + x`` under ``activate()``, then one sync) per mesh, after the rounds, over the same wall time, in %. A
+  round's op loop (3000 ops in 4 rounds: about 20 ms) is far shorter than the clock tick the CPU time is counted
+  in (10 ms) and than the wait of the loop's batch task copies (``task_interval`` times the ranks: 0.4 s at 8
+  ranks, 3.2 s at 64), so over those loops the column read 0 or -0;
 * ``attach``: seconds of ``dm.attach(client, dims={"dp": N})`` on warm workers (the first attach, which imports
   dask_monarch and torch on every worker, is printed on its own).
 
@@ -22,7 +22,7 @@ changes by the minute). Each figure is printed with its ratio against the smalle
 host: sub-relays of 8 ranks under the host's relay, against one relay of all 64).
 
 Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
-[--answer-tree on|off|both] [--relay-fanout 64[,8...]]``.
+[--answer-tree on|off|both] [--relay-fanout 64[,8...]] [--cpu-seconds 4]``.
 """
 
 from __future__ import annotations
@@ -109,13 +109,12 @@ class Case:
         self.compiled: list = []
         self.cpu: list = []
 
-    def round(self, fetches: int, ops: int, scheduler: psutil.Process) -> None:
+    def round(self, fetches: int, ops: int) -> None:
         x = self.x
         for _ in range(fetches):
             t0 = time.perf_counter()
             dm.inspect(x)
             self.fetches.append(time.perf_counter() - t0)
-        cpu, start = scheduler.cpu_times(), time.perf_counter()
         with self.mesh.activate():
             t0 = time.perf_counter()
             for _ in range(ops):
@@ -129,6 +128,17 @@ class Case:
             for _ in range(calls):
                 y = self.step(x)
             self.compiled.append((time.perf_counter() - t0) / calls)
+        dm.inspect(y)
+
+    def scheduler_cpu(self, seconds: float, scheduler: psutil.Process) -> None:
+        """The scheduler's CPU time over ``seconds`` of eager ops (``x + x`` under ``activate()``, then one sync),
+        against the same wall time."""
+        x = self.x
+        cpu, start = scheduler.cpu_times(), time.perf_counter()
+        with self.mesh.activate():
+            while time.perf_counter() - start < seconds:
+                for _ in range(200):
+                    y = x + x
         dm.inspect(y)
         after = scheduler.cpu_times()
         self.cpu.append((after.user + after.system - cpu.user - cpu.system, time.perf_counter() - start))
@@ -161,6 +171,8 @@ def main(argv=None) -> None:
                         help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
     parser.add_argument("--relay-fanout", default="64",
                         help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 64)")
+    parser.add_argument("--cpu-seconds", type=float, default=4.0,
+                        help="seconds of eager ops per mesh over which the scheduler's CPU is measured (default 4)")
     args = parser.parse_args(argv)
     counts = [int(v) for v in args.ranks.split(",")]
     fanouts = [int(v) for v in args.relay_fanout.split(",")]
@@ -177,7 +189,9 @@ def main(argv=None) -> None:
         cases = [Case(cluster.client, n, tree, f) for n in counts for tree, f in settings]
         for _ in range(args.rounds):  # every mesh in turn, round by round: the same load for each
             for case in cases:
-                case.round(max(1, args.fetches // args.rounds), max(1, args.ops // args.rounds), scheduler)
+                case.round(max(1, args.fetches // args.rounds), max(1, args.ops // args.rounds))
+        for case in cases:
+            case.scheduler_cpu(args.cpu_seconds, scheduler)
         rows = {(c.n, setting): c.figures() for c, setting in zip(cases, [s for _ in counts for s in settings])}
     finally:
         for case in cases:
