@@ -205,6 +205,56 @@ def test_the_frame_reader_completes_frames_from_any_split_and_checks_the_limit()
         b.close()
 
 
+def test_the_frame_reader_takes_many_small_frames_of_one_read_and_a_large_one_after_them():
+    """``frames.FrameReader``'s way between frames: every whole small frame of what one read took is unpickled from
+    it, in order, and the frame cut at its end (here one with out-of-band buffers) is completed from the next reads;
+    a small frame that declares more than the limit still raises ``FrameTooLarge``."""
+    import selectors
+    import socket
+
+    from dask_monarch.protocol import tensor_bytes
+    from dask_monarch.protocol.frames import HEADER, FrameReader, FrameTooLarge, send_frame
+
+    x = torch.arange(2**17, dtype=torch.int64)  # 1 MiB: its memory out of band
+    import threading
+
+    a, b = socket.socketpair()
+    for i in range(100):  # all there before the first read (they fit the socket's buffers)
+        send_frame(a, {"c": i, "d": i}, 10.0)
+
+    def write():  # the tensor's 1 MiB does not fit: written as it is read
+        send_frame(a, {"c": 100, "d": tensor_bytes.dumps((1, [x]))}, 10.0)
+        send_frame(a, {"x": True}, 10.0)
+        a.close()
+
+    writer = threading.Thread(target=write)
+    try:
+        b.setblocking(False)
+        writer.start()
+        reader, got = FrameReader(b, 2**24), []
+        with selectors.DefaultSelector() as selector:
+            selector.register(b, selectors.EVENT_READ)
+            with pytest.raises(EOFError):
+                while selector.select(1.0):
+                    reader.read(got)
+        assert [m.get("c") for m in got] == [*range(101), None] and [m["d"] for m in got[:100]] == list(range(100))
+        assert torch.equal(got[100]["d"][1][0], x)
+        assert type(tensor_bytes.dumps((1, [x]))) is tensor_bytes.OutOfBand
+    finally:
+        writer.join(30)
+        b.close()
+    a, b = socket.socketpair()
+    try:
+        a.sendall(HEADER.pack(10, 0) + bytes(10))
+        b.setblocking(False)
+        time.sleep(0.1)
+        with pytest.raises(FrameTooLarge, match=r"declares 10 bytes, more than this session can receive \(4 bytes\)"):
+            FrameReader(b, 4).read([])
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_big_host_gets_sub_relays_and_a_failure_under_one_names_its_rank(client4):
     """Dask config ``monarch.relay-fanout`` 2 on a host of 4 ranks: the host relay on rank 0 serves ranks 0 and 1
     itself and ranks 2 and 3 through a sub-relay on rank 2 (``tree.split_host``). Each rank still gets its own

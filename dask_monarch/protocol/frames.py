@@ -40,6 +40,7 @@ MIN_RATE = 32 * 2**20
 #: bytes written by one ``sendall``, and the most a read allocates ahead of the bytes that arrived
 CHUNK = 64 * 2**20
 _SMALL = 64 * 1024  # frames up to this size go out in one ``sendall`` (header and body copied together)
+_SCRATCH = 16 * 1024  # what ``FrameReader`` reads at once between frames, for the small ones in it
 
 
 class FrameTooLarge(ValueError):
@@ -147,6 +148,8 @@ class FrameReader:
     def __init__(self, sock: socket.socket, limit: int):
         self.sock = sock
         self.limit = limit
+        self._scratch = bytearray(_SCRATCH)
+        self._plain = type(sock) is socket.socket
         self._start()
 
     def _start(self) -> None:
@@ -166,6 +169,18 @@ class FrameReader:
         while True:
             while self._got == self._n:  # a part is complete (or empty: an empty tensor's buffer)
                 self._next(out)
+            if self._stage == "header" and self._got == 0:  # between frames: what arrived, in one ``recv``
+                try:
+                    k = sock.recv_into(self._scratch)
+                except (BlockingIOError, ssl.SSLWantReadError):
+                    return
+                if k == 0:
+                    raise EOFError("the peer closed the connection")
+                self._feed(memoryview(self._scratch)[:k], out)
+                if k < _SCRATCH and self._plain:
+                    return  # all that had arrived: the selector says when more does (not so under TLS, which
+                    # may hold decrypted bytes that the socket no longer shows)
+                continue
             if self._got == len(self._buf):  # realloc: a large buffer grows in place (mremap), nothing copied
                 self._buf.extend(bytes(min(self._n - self._got, CHUNK)))
             try:
@@ -175,6 +190,27 @@ class FrameReader:
             if k == 0:
                 raise EOFError("the peer closed the connection")
             self._got += k
+
+    def _feed(self, data: memoryview, out: list) -> None:
+        """Take ``data`` (read between frames): each whole small frame in it (no out-of-band buffers) is unpickled
+        from it at once, the same checks made; from the first that is not whole, the bytes go through the parts."""
+        pos, end, size = 0, len(data), HEADER.size
+        while pos < end:
+            if self._stage == "header" and self._got == 0 and end - pos >= size:
+                n, count = HEADER.unpack_from(data, pos)
+                if count == 0 and end - pos - size >= n:
+                    _check(n, self.limit)
+                    out.append(pickle.loads(data[pos + size:pos + size + n]))
+                    pos += size + n
+                    continue
+            if self._got == len(self._buf):  # realloc: a large buffer grows in place (mremap), nothing copied
+                self._buf.extend(bytes(min(self._n - self._got, CHUNK)))
+            take = min(end - pos, len(self._buf) - self._got)
+            self._buf[self._got:self._got + take] = data[pos:pos + take]
+            self._got += take
+            pos += take
+            while self._got == self._n:
+                self._next(out)
 
     def _next(self, out: list) -> None:
         """The part being read is complete: go on to the next one, or append the frame it completed."""
