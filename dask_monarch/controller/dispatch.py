@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..protocol import ArgsKwargs, CallFunction, DeleteRefs, FunctionPath
+from .dynamo_skip import set_code_exec_strategy, skip_dynamo
 from .issue import call_cached
 from .local import is_propagating, propagating
 from .mesh import frontend, get_active_mesh
@@ -76,21 +77,6 @@ def run_op(func, args, kwargs, mesh=None, entry=None):
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
 
 
-try:  # Dynamo's per-code frame strategy (C): a code marked (SKIP, SKIP) runs, with all it calls, outside Dynamo
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-except ImportError:  # pragma: no cover - a torch without it: MeshDispatchMode keeps torch's own wrapper
-    set_code_exec_strategy = None
-
-
-def skip_dynamo(fn):
-    """Mark ``fn`` (a function) so that Dynamo neither compiles its frames nor any frame it calls, and does not
-    inline it when tracing (``torch._dynamo.disable``'s effect, without its wrapper: that wrapper turns Dynamo's
-    frame callback off and on again around every call, about 1 us a call on the per-op path, even when nothing
-    compiles). Returns ``fn``; without torch's ``set_code_exec_strategy`` it does nothing."""
-    if set_code_exec_strategy is not None:
-        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-        fn._torchdynamo_disable = True  # Dynamo's tracer: a call of it is a graph break, not inlined
-    return fn
 
 
 class MeshDispatchMode(TorchDispatchMode):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..protocol import CreateRemoteProcessGroup, Ref, SplitCommForProcessGroup
+from .dynamo_skip import skip_dynamo
 
 __all__ = ["RemoteProcessGroup"]
 
@@ -119,6 +120,7 @@ class RemoteProcessGroup:
     def __repr__(self) -> str:
         return f"RemoteProcessGroup({self.ref!r}, dims={self.dims}, size={self.size}, mesh={self.mesh!r})"
 
+    @skip_dynamo  # the collector may run it inside a torch.compile'd function (dynamo_skip.py)
     def __del__(self):
         try:
             stand_in = self._stand_in

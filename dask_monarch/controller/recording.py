@@ -43,6 +43,7 @@ from .mesh import DeviceMesh
 from .storage import Storage
 from .stream import check_access
 from .tensor import Tensor
+from .dynamo_skip import skip_dynamo
 
 __all__ = ["Recorder", "Recording", "MAX_COMMANDS"]
 
@@ -333,6 +334,7 @@ class Recording:
                              self.ranks)
         return results
 
+    @skip_dynamo  # the collector may run it inside a torch.compile'd function (dynamo_skip.py)
     def __del__(self):
         try:
             if not self.session.closed:

@@ -25,6 +25,7 @@ from ..protocol import StreamRef
 from .local import propagating
 from .session import DEFAULT_STREAM
 from .tensor import Tensor
+from .dynamo_skip import skip_dynamo
 
 __all__ = ["Stream", "Borrow", "main_stream", "get_active_stream", "check_access"]
 
@@ -192,6 +193,7 @@ class Borrow:
     def __exit__(self, *exc) -> None:
         self.drop()
 
+    @skip_dynamo  # the collector may run it inside a torch.compile'd function (dynamo_skip.py)
     def __del__(self):
         if not self.dropped and self.tensor is not None:
             # a UserWarning, not a ResourceWarning: Python's default filters hide those, and this one is the spec's

@@ -19,6 +19,7 @@ from ..protocol import Ref
 from .mesh import frontend
 from .propagation import fake_view
 from .storage import Storage, storage_of
+from .dynamo_skip import skip_dynamo
 
 __all__ = ["Tensor"]
 
@@ -182,6 +183,7 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return (Ref, (self.ref.id,))
 
+    @skip_dynamo  # the collector may run it inside a torch.compile'd function (dynamo_skip.py)
     def __del__(self):
         try:
             if self._dropped_at is None:
