@@ -22,7 +22,7 @@ changes by the minute). Each figure is printed with its ratio against the smalle
 host: sub-relays of 8 ranks under the host's relay, against one relay of all 64).
 
 Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
-[--answer-tree on|off|both] [--relay-fanout 64[,8...]] [--cpu-seconds 4]``.
+[--answer-tree on|off|both] [--relay-fanout 8[,64...]] [--cpu-seconds 4]``.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="rounds the fetches and ops are split in (default 10)")
     parser.add_argument("--answer-tree", choices=("on", "off", "both"), default="on",
                         help="Dask config monarch.answer-tree: the host relays on, off, or both side by side")
-    parser.add_argument("--relay-fanout", default="64",
-                        help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 64)")
+    parser.add_argument("--relay-fanout", default="8",
+                        help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 8, the default of Dask config monarch.relay-fanout)")
     parser.add_argument("--cpu-seconds", type=float, default=4.0,
                         help="seconds of eager ops per mesh over which the scheduler's CPU is measured (default 4)")
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ connects one ``HostLink`` to the relay instead of a ``SocketLink`` per rank. The
   worker (``_gone``), or the rank whose sockets to the relay the relay reported broken before it closed; a rank's
   sockets to the relay breaking fails it naming that rank's worker. A host whose relay
   cannot be started keeps a ``SocketLink`` per rank, as without the tree;
-* on a host of more ranks than Dask config ``monarch.relay-fanout`` (default 64), the host relay serves the first
+* on a host of more ranks than Dask config ``monarch.relay-fanout`` (default 8), the host relay serves the first
   that many ranks itself and the rest through sub-relays of that many ranks each, every one in its own leader's
   worker process (a second level of the tree: the work of a big host is spread over processes and cores instead of
   one GIL; a sub-relay's ``("s", seq)`` stands for all its ranks). A lost sub-relay fails the session naming its
@@ -52,11 +52,12 @@ def group_by_host(offers: dict) -> list[list[int]]:
 
 
 def relay_fanout() -> int:
-    """Dask config ``monarch.relay-fanout`` (default 64): the most ranks a relay serves itself; a host of more ranks
+    """Dask config ``monarch.relay-fanout`` (default 8): the most ranks a relay serves itself; a host of more ranks
     gets sub-relays of that many ranks each (the next ranks in order, the lowest leading), each in its leader's worker
-    process, under the host's relay. The default keeps one relay per host up to 64 ranks: on 2 cores a host of 16
-    ranks fetched slower with sub-relays of 8 (BENCHMARKS.md) and they are not yet measured on a many-core host. Raises ``ValueError`` naming the key unless it is an integer of 2 or more."""
-    value = dask.config.get("monarch.relay-fanout", 64)
+    process, under the host's relay. The default of 8 (a host of 8 GPUs: one relay) was the faster of 8 and 64 on the
+    16-core host at 16 and 64 ranks (fetch p50 1.38 / 2.08 ms against 1.68 / 3.11 ms, BENCHMARKS.md). Raises
+    ``ValueError`` naming the key unless it is an integer of 2 or more."""
+    value = dask.config.get("monarch.relay-fanout", 8)
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise ValueError(f"Dask config monarch.relay-fanout must be an integer of 2 or more, got {value!r}")
     return value
