@@ -49,8 +49,18 @@ def session_threads(client, session_id, workers=None):
 
 @pytest.fixture
 def fresh_client2():
+    """A cluster of two workers of the test's own (it kills, stops or restarts one)."""
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
         with Client(cluster) as client:
+            yield client
+
+
+@pytest.fixture(scope="module")
+def vanishing_client2():
+    """A cluster of two workers shared by the tests whose controller (a subprocess) vanishes: no worker is harmed,
+    and each test checks that no session is left on the workers and the scheduler."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+        with Client(cluster, set_as_default=False) as client:
             yield client
 
 
@@ -77,8 +87,8 @@ def test_killed_worker_fails_the_session_and_the_rest_keeps_serving(fresh_client
     assert not any(sessions_on_workers(client).values())
 
 
-def test_controller_that_disappears_leaves_no_session(fresh_client2):
-    client = fresh_client2
+def test_controller_that_disappears_leaves_no_session(vanishing_client2):
+    client = vanishing_client2
     address = client.scheduler.address
     script = textwrap.dedent(f"""
         import os, torch, dask_monarch as dm
@@ -154,10 +164,10 @@ def test_stopped_worker_during_a_reduce_fails_the_session_naming_it(fresh_client
         assert dm.inspect(dm.remote(torch.add)(mesh2.rank("dp"), 1).reduce("dp", "sum")).item() == 3
 
 
-def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanishes(fresh_client2, tmp_path):
+def test_work_queued_behind_a_running_call_is_dropped_when_the_controller_vanishes(vanishing_client2, tmp_path):
     """A controller killed mid-run: the call running on the workers finishes (a Python thread cannot be
     interrupted), but nothing queued behind it runs any more, and the session is freed."""
-    client = fresh_client2
+    client = vanishing_client2
     marker = tmp_path / "ran"
     script = textwrap.dedent(f"""
         import os, time, torch, dask_monarch as dm

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from conftest import wait_until
 from dask_monarch.protocol import ArgsKwargs, CallFunction, FunctionPath
 from dask_monarch.controller.session import DEFAULT_STREAM
 
@@ -350,14 +351,29 @@ def test_bad_interpreter_config_on_a_worker_fails_the_session_naming_it_and_chan
             assert dm.inspect(torch.ones(1) + 1).tolist() == [2.0]
 
 
+def _no_session_holds_the_settings(timeout: float = 30.0) -> None:
+    """Wait, at most ``timeout`` seconds, until no session in this process holds the interpreter settings
+    (``interpreter._holders``): an earlier test's session gives them back in ``Session.stop``, which may still be
+    running when that test has returned. Fails naming the sessions that still hold them."""
+    import gc
+
+    from dask_monarch import interpreter
+    from dask_monarch.controller.session import Session
+
+    if wait_until(lambda: not any(interpreter._holders.values()), timeout, 0.05):
+        return
+    holders = [s for s in gc.get_objects() if isinstance(s, Session) and not s._released]
+    pytest.fail(f"the interpreter settings are still held after {timeout:g} s ({interpreter._holders}) by: "
+                + "; ".join(f"session {s.tag} (closed={s.closed}, failure={s.failure!r})" for s in holders))
+
+
 def test_interpreter_hold_and_release_count_holders():
     import gc
     import sys
 
     from dask_monarch import interpreter
 
-    if interpreter._holders["switch"] or interpreter._holders["gc"]:
-        pytest.skip("a session of another test still holds the settings in this process")
+    _no_session_holds_the_settings()
     before = (sys.getswitchinterval(), gc.get_threshold())
     interpreter.hold(gc_threshold=True)
     interpreter.hold()
@@ -388,8 +404,7 @@ def test_the_controller_holds_the_gc_threshold_while_a_session_runs_and_restores
 
     from dask_monarch import interpreter
 
-    if _controller_gc_holders():
-        pytest.skip("a session of another test still holds the settings in this process")
+    _no_session_holds_the_settings()
     before = gc.get_threshold()
     with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:
         assert gc.get_threshold() == (interpreter.GC_THRESHOLD, *before[1:])
@@ -408,8 +423,7 @@ def test_the_gc_threshold_is_restored_when_the_session_fails(client1):
     def set_config(value, dask_worker):
         dask.config.set({"monarch.gc-threshold": value})
 
-    if _controller_gc_holders():
-        pytest.skip("a session of another test still holds the settings in this process")
+    _no_session_holds_the_settings()
     before = gc.get_threshold()
     client1.run(set_config, "20k")
     try:
@@ -430,8 +444,7 @@ def test_a_bad_controller_gc_threshold_fails_attach_naming_it_and_changes_nothin
     import gc
     import sys
 
-    if _controller_gc_holders():
-        pytest.skip("a session of another test still holds the settings in this process")
+    _no_session_holds_the_settings()
     before = (gc.get_threshold(), sys.getswitchinterval())
     with dask.config.set({"monarch.gc-threshold": "lots"}):
         with pytest.raises(ValueError, match=r"monarch\.gc-threshold.*'lots'"):

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import stop_processes
+
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
@@ -73,13 +75,7 @@ def test_train_digits_existing_cluster(tmp_path):
         check_accuracy(proc.stdout)
         assert "training:" not in proc.stderr, "a progress bar although stderr is not a terminal"
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)  # the workers first, then the scheduler
 
 
 def test_train_digits_compiled():
