@@ -89,6 +89,38 @@ def test_exit_waits_for_a_rank_busy_30_s_says_so_once_and_ends_cleanly(client2, 
         ended_on_workers(client2, sid)
 
 
+def test_a_clean_close_reaching_a_rank_still_finishing_its_exit_leaves_it_to_end_cleanly(client2):
+    """The controller's exit returns once every rank passed the exit's ``RequestStatus``, then closes the session on
+    the scheduler, which ends it on the workers (``END_SESSION_OP``); a rank can still be closing on its clean
+    ``Exit`` then (found beside a CPU hog: a worker recorded a normal exit as "the controller ended the session").
+    Here rank 1 is still running a function under its ``Exit`` when that clean close reaches it: it finishes and
+    ends cleanly, and the exit returns without error."""
+    mesh = dm.attach(client2, dims={"dp": 2}, comm_timeout=60)
+    sid = mesh.session_id
+    with mesh.activate():
+        dm.remote(sleep_on_rank_one, propagate="inspect")(mesh, 8)
+    outcome = {}
+
+    def exit_mesh():
+        try:
+            mesh.exit()
+            outcome["ok"] = True
+        except BaseException as e:
+            outcome["error"] = e
+
+    exiting = threading.Thread(target=exit_mesh)
+    exiting.start()
+    try:
+        assert wait_until(lambda: dashboard_states(client2, sid)[0] == ["exited", "finishing"], 20), \
+            dashboard_states(client2, sid)
+        client2.sync(client2.scheduler.monarch_session_close, session_id=sid)  # as the controller's closer does
+    finally:
+        exiting.join(120)
+    assert outcome == {"ok": True}, outcome
+    assert wait_until(lambda: set(ended_on_workers(client2, sid).values()) == {None}, 20), \
+        ended_on_workers(client2, sid)
+
+
 def test_exit_past_exit_timeout_raises_naming_the_busy_rank_and_ends_it_there(client2):
     with pytest.raises(ValueError, match="exit_timeout"):
         dm.attach(client2, dims={"dp": 2}, exit_timeout=0)

@@ -164,15 +164,19 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
             self.ended[session_id] = {**info, "ended": time.time(), "reason": reason}
             while len(self.ended) > ENDED_KEPT:
                 self.ended.pop(next(iter(self.ended)))
-            self._end_on_workers(session_id, info, reason or "the controller ended the session", owner_left)
+            self._end_on_workers(session_id, info, reason or "the controller ended the session", owner_left,
+                                 clean=reason is None and not owner_left)
         return await self.kv.abort(f"{session_id}/")
 
-    def _end_on_workers(self, session_id: str, info: dict, reason: str, owner_left: bool = False) -> None:
+    def _end_on_workers(self, session_id: str, info: dict, reason: str, owner_left: bool = False,
+                        clean: bool = False) -> None:
+        """Send ``END_SESSION_OP`` to the session's workers still in the cluster; ``clean``: the controller closed the
+        session after its exit, with no failure (a rank still finishing that clean ``Exit`` is left to finish it)."""
         for address in info["workers"]:
             if address in self.scheduler.workers:
                 self.scheduler.worker_send(
                     address, {"op": END_SESSION_OP, "session_id": session_id, "reason": reason,
-                              "owner_left": owner_left}
+                              "owner_left": owner_left, "clean": clean}
                 )
 
     def worker_ages(self, workers: list) -> dict:

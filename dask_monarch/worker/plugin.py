@@ -113,12 +113,17 @@ class MonarchWorkerPlugin(WorkerPlugin):
         self.relays[session_id] = relay
         await comm.write({"ready": relay.offer})
 
-    def end_session(self, session_id: str, reason: str, owner_left: bool = False) -> None:
+    def end_session(self, session_id: str, reason: str, owner_left: bool = False, clean: bool = False) -> None:
         """Stream handler (sent by the scheduler plugin when a controller disappears): fail and close the
         session here, on a thread, since closing joins the session's threads. ``owner_left``: its controller's
         Client disconnected (a program that closed its own Client, or one that died): logged as an end, not an
-        error of this worker."""
+        error of this worker. ``clean``: the controller closed the session after a clean exit; a rank still ending
+        on that clean ``Exit`` here (its streams done, its session not yet forgotten) is left to end cleanly, not
+        failed: the controller's exit returns once every rank passed the exit's ``RequestStatus``, which can be
+        before this rank has finished closing."""
         tw = self.sessions.get(session_id)
+        if clean and tw is not None and tw.failure is None and (tw.exiting or tw.closed):
+            return
         if tw is None:
             # not (or no longer) running here: remember it as ended, so a batch still on its way (the session's
             # first one, when attach failed right after creating it) cannot start it afterwards
