@@ -113,7 +113,8 @@ def test_a_clean_close_reaching_a_rank_still_finishing_its_exit_leaves_it_to_end
     try:
         assert wait_until(lambda: dashboard_states(client2, sid)[0] == ["exited", "finishing"], 20), \
             dashboard_states(client2, sid)
-        client2.sync(client2.scheduler.monarch_session_close, session_id=sid)  # as the controller's closer does
+        # as the controller's closer does once its exit drained every rank
+        client2.sync(client2.scheduler.monarch_session_close, session_id=sid, clean=True)
     finally:
         exiting.join(120)
     assert outcome == {"ok": True}, outcome

@@ -323,14 +323,17 @@ def attach(cluster=None, *, dims=None, workers=None, comm_timeout: float = 300.0
             callback_timeout=timeout,
         )
         # bounded: exit() must return even when the scheduler no longer answers
+        opened: dict = {}  # the session, once made: whether its exit drained every rank (``Session.drained``)
         closers.insert(0, lambda: None if scheduler_gone(client) else client.sync(
-            client.scheduler.monarch_session_close, session_id=session_id, callback_timeout=Session.PROBE_TIMEOUT
+            client.scheduler.monarch_session_close, session_id=session_id,
+            clean=getattr(opened.get("session"), "drained", False), callback_timeout=Session.PROBE_TIMEOUT
         ))
         done("session open")
         if warm_up is not None:
             warm_up.join(WARM_UP_JOIN)  # imports only while attach waits for others (the module's lock serializes it)
             done("controller warm-up")
-        session = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id, **session_options)
+        session = opened["session"] = Session(client, workers, comm_timeout=comm_timeout, session_id=session_id,
+                                              **session_options)
         phases.update(session.attach_phases)  # the session's own steps, timed there
         session.attach_phases = phases
         mark[0] = time.perf_counter()

@@ -185,6 +185,7 @@ class Session(Transport, Bookkeeping, Liveness):
         ]
         self._all = tuple(range(self.world_size))
         self.failure: SessionError | None = None
+        self.drained = False  # set by close() once every rank passed the exit (the scheduler's close is then clean)
         self._failure_seen = False
         self.closed = False
         self._waiters: list[tuple] = []  # (status seq, MonarchFuture, on_done)
@@ -425,6 +426,7 @@ class Session(Transport, Bookkeeping, Liveness):
                 future._result(timeout, notice=(self.EXIT_NOTICE_AFTER,
                                                 lambda: self._exit_notice(future.status_seq, deadline)))
                 self._wait_closed(future.tasks, deadline)
+                self.drained = True  # every rank passed the exit: the scheduler's close may call it clean
         except SessionError as e:
             during_exit = e  # a rank failed or went silent while draining: nobody else reports it
         finally:

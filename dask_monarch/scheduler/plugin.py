@@ -152,20 +152,22 @@ class MonarchSchedulerPlugin(SchedulerPlugin):
                 continue
             reports.setdefault(str(name), collections.deque(maxlen=REPORTS_KEPT)).append(point)
 
-    async def session_close(self, session_id: str, reason: str | None = None, owner_left: bool = False) -> int:
+    async def session_close(self, session_id: str, reason: str | None = None, owner_left: bool = False,
+                            clean: bool = False) -> int:
         """Forget a session, delete its rendezvous keys and fail any rendezvous still waiting in it (so a rank
         blocked building a communicator with a lost peer stops now), and end it on its workers where it is
         still open (after a clean exit it is not: nothing happens there). Ending goes around the session's
         inbox, which a rank blocked in comm setup does not read. ``owner_left``: the session ends because its
-        controller's Client disconnected (the workers log that as an end, not as a failure of theirs). Returns the
-        number of keys deleted."""
+        controller's Client disconnected (the workers log that as an end, not as a failure of theirs). ``clean``: the
+        controller's exit drained every rank (a rank still closing on that clean ``Exit`` is left to end cleanly).
+        Returns the number of keys deleted."""
         info = self.sessions.pop(session_id, None)
         if info is not None:
             self.ended[session_id] = {**info, "ended": time.time(), "reason": reason}
             while len(self.ended) > ENDED_KEPT:
                 self.ended.pop(next(iter(self.ended)))
             self._end_on_workers(session_id, info, reason or "the controller ended the session", owner_left,
-                                 clean=reason is None and not owner_left)
+                                 clean=clean and reason is None and not owner_left)
         return await self.kv.abort(f"{session_id}/")
 
     def _end_on_workers(self, session_id: str, info: dict, reason: str, owner_left: bool = False,
