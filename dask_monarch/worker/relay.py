@@ -191,17 +191,24 @@ class HostRelay:
 
     # ------------------------------------------------------------------------------------------------ fan-out
     def forward(self, batches, segments) -> None:
-        """Write each rank's batch of one flush on its down socket, in the order given, and each sub-relay's ranks'
-        batches in one frame (on the down reader)."""
+        """Write each rank's batch of one flush on its down socket and each sub-relay's ranks' batches in one frame
+        (on the down reader). A flush holds one batch per rank, so the order across ranks is free: the sub-relays
+        go first (the longest way down), then the other ranks, and the leader's own rank last (its worker's threads
+        would otherwise take this process's GIL while the others are still being written)."""
         below: dict = {}
+        own = []
         for rank, batch, indices in batches:
             link = self.links.get(rank)
             if link is not None:
-                self._send(link, {"b": batch, "s": [segments[i] for i in indices]})
+                own.append((link, batch, indices))
             elif rank in self._child_of:
                 below.setdefault(self._child_of[rank], []).append((rank, batch, indices))
         for link, sub in below.items():
             self._send(link, {"b": sub, "s": segments})
+        if len(own) > 1 and own[0][0].rank == self.leader:
+            own.append(own.pop(0))
+        for link, batch, indices in own:
+            self._send(link, {"b": batch, "s": [segments[i] for i in indices]})
 
     def _send(self, link: _RankLink, msg: dict) -> None:
         try:
