@@ -19,7 +19,11 @@ With ``--py-spy DIR`` (py-spy on PATH or beside this Python), the scheduler is s
 CPU windows (``py-spy record --format raw``: collapsed stacks, one file per window), and the functions that took
 the most samples are printed.
 
-Usage: ``python bench/attach.py [--ranks 8] [--idle 10] [--loop 10] [--warm 3] [--py-spy DIR]``.
+With ``--preload MODULE`` the scheduler and the workers start with Dask's ``--preload MODULE``: with
+``dask_monarch``, every process imports dask_monarch and torch as it starts (the cluster's start takes that time),
+and the first attach finds them imported.
+
+Usage: ``python bench/attach.py [--ranks 8] [--idle 10] [--loop 10] [--warm 3] [--py-spy DIR] [--preload MODULE]``.
 """
 
 from __future__ import annotations
@@ -106,14 +110,17 @@ def main(argv=None) -> None:
     parser.add_argument("--loop", type=float, default=10.0, help="seconds of the op loop (default 10)")
     parser.add_argument("--warm", type=int, default=3, help="warm attaches after the cold one (default 3)")
     parser.add_argument("--py-spy", metavar="DIR", help="sample the scheduler with py-spy into DIR")
+    parser.add_argument("--preload", metavar="MODULE", help="start the scheduler and the workers with Dask's "
+                        "--preload MODULE (e.g. dask_monarch: torch is imported as each process starts)")
     args = parser.parse_args(argv)
     n = args.ranks
     if args.py_spy:
         os.makedirs(args.py_spy, exist_ok=True)
     spy = (lambda name: os.path.join(args.py_spy, f"scheduler-{name}.txt")) if args.py_spy else (lambda name: None)
     started = time.perf_counter()
-    cluster = CliCluster(n)
-    print(f"cluster of {n} workers up in {time.perf_counter() - started:.1f} s", flush=True)
+    cluster = CliCluster(n, preload=args.preload)
+    print(f"cluster of {n} workers up in {time.perf_counter() - started:.1f} s"
+          + (f" (--preload {args.preload})" if args.preload else ""), flush=True)
     cpu, attaches = {}, []
     try:
         scheduler = psutil.Process(cluster.scheduler.pid)

@@ -51,14 +51,18 @@ def _dask() -> list[str]:
 
 
 class CliCluster:
-    """``dask scheduler`` and ``dask worker --nworkers n --nthreads 1`` on 127.0.0.1, stopped on exit."""
+    """``dask scheduler`` and ``dask worker --nworkers n --nthreads 1`` on 127.0.0.1, stopped on exit; with
+    ``preload`` (a module, e.g. ``"dask_monarch"``), both started with ``--preload`` it (Dask's preload: the module is
+    imported when the process starts, so the first attach does not wait for every worker's import of torch)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, preload: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="monarch-scale-")
         file = os.path.join(self.dir, "scheduler.json")
         quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        extra = ["--preload", preload] if preload else []
         self.scheduler = subprocess.Popen(_dask() + ["scheduler", "--host", "127.0.0.1", "--port", "0",
-                                                      "--dashboard-address", ":0", "--scheduler-file", file], **quiet)
+                                                      "--dashboard-address", ":0", "--scheduler-file", file]
+                                          + extra, **quiet)
         deadline = time.monotonic() + 60
         while not os.path.exists(file):
             if time.monotonic() > deadline or self.scheduler.poll() is not None:
@@ -66,8 +70,8 @@ class CliCluster:
             time.sleep(0.1)
         time.sleep(0.2)
         self.workers = subprocess.Popen(_dask() + ["worker", "--scheduler-file", file, "--nworkers", str(n),
-                                                    "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
-                                        **quiet)
+                                                    "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
+                                        + extra, **quiet)
         self.client = Client(scheduler_file=file, set_as_default=False)
         self.client.wait_for_workers(n, timeout=180)
 

@@ -60,7 +60,9 @@ def dask_setup(server) -> None:
     """Dask's preload hook: ``dask scheduler --preload dask_monarch`` (or Dask config
     ``distributed.scheduler.preload: [dask_monarch]``) adds dask_monarch's scheduler plugin when the scheduler
     starts, so its ``/monarch`` dashboard page exists from then on (saying that no session runs yet) instead of
-    from the first ``attach``. On a worker or nanny it does nothing (``attach`` installs the worker plugin)."""
+    from the first ``attach``. On a worker (``dask worker --preload dask_monarch``) the import itself is the point:
+    dask_monarch and torch are loaded as the worker starts, so that the first ``attach`` does not wait for every
+    worker's import (``attach`` still installs the worker plugin); on a nanny it does nothing."""
     from distributed import Scheduler
 
     if isinstance(server, Scheduler):
