@@ -27,7 +27,7 @@ from .. import interpreter
 from ..protocol import SessionFailed, WorkerError
 from ..protocol.frames import receivable
 from ..protocol.session_id import session_tag
-from . import activity, debugger, prometheus
+from . import activity, debugger, log_filter, prometheus
 from .channel import CHANNEL_OP, serve
 from .metrics import worker_snapshot
 from .relay import RELAY_OP, HostRelay
@@ -71,6 +71,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         worker.metrics[METRICS_KEY] = self.metrics
         prometheus.register(self)
         debugger.install()  # breakpoint() in a remote function: pdb on the rank, driven from the controller
+        log_filter.install(worker)  # the heartbeat a closing worker cuts short itself: DEBUG, not an ERROR traceback
 
     def metrics(self, worker) -> dict:
         """The heartbeat metric (``worker_snapshot``)."""
