@@ -52,3 +52,16 @@ def test_every_row_is_scored_once_and_written(client2, data, tmp_path, group, ah
     assert written["target"].tolist() == frame["target"].tolist()  # in row order, no padding row left
     assert np.array_equal(written["prediction"].to_numpy(), expected)
     assert result["accuracy"] == pytest.approx(float((expected == frame["target"].to_numpy()).mean()))
+
+
+def test_training_with_a_test_set_that_does_not_split_evenly_counts_only_its_rows(client2, data, tmp_path):
+    """``train()`` of examples/train_digits_pipe.py (issue 23 item 9: every example at any number of ranks): a test
+    set of 7 rows on 2 ranks is padded with rows of label -1 (``from_dask(pad=-1)``), which the test accuracy leaves
+    out: it is a whole number of sevenths (without the padding, ``from_dask`` refused the uneven rows)."""
+    from train_digits_pipe import train
+
+    path, frame = data
+    test = write_parquet(frame.iloc[:7], str(tmp_path / "test"), files=1)
+    with dm.attach(client2, dims={"dp": 2}, comm_timeout=60) as mesh:
+        _, accuracy = train(mesh, path, test, epochs=1, batch_size=64, log=lambda line: None)
+    assert round(accuracy * 7) == pytest.approx(accuracy * 7)
