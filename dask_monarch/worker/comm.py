@@ -96,10 +96,11 @@ class Comms:
                 device, address = gloo.create_device(_host(self.worker.address))
                 opts._devices = [device]
                 opts._timeout = timeout
+                before = gloo.socket_fds()  # the group's sockets are the ones its constructor opens
                 group = dist.ProcessGroupGloo(store, group_rank, len(members), opts)
                 del opts, device
                 addresses = _exchange(store, group_rank, len(members), address)
-                addresses = (*addresses, gloo.group_sockets(*addresses))  # (own, peers, its sockets)
+                addresses = (*addresses, gloo.group_sockets(*addresses, since=before))  # (own, peers, its sockets)
         except Exception as e:
             missing = [
                 members[i] for i in range(len(members)) if not store.check([f"joined/{i}"])
@@ -442,8 +443,12 @@ def _propagate_nan(group, members: str, comms, nan: torch.Tensor, output: torch.
 
 
 def _abort_gloo(addresses) -> None:
-    """Shut a gloo group's connections down (``gloo.py``): those found by address now, and the sockets recorded when
-    it was built (one whose peer is already gone has no address left to be found by)."""
+    """Shut a gloo group's connections down (``gloo.py``): the sockets recorded when it was built, each only while its
+    descriptor still refers to it. Not by address where descriptors tell what they are (Linux): a peer's gloo port
+    may belong to another session's group by now (the port reused), whose connections must stay; elsewhere by
+    address, the only way there."""
     own, peers, sockets = addresses
-    gloo.shutdown_connections(own, peers)
-    gloo.shutdown_sockets(sockets)
+    if gloo.identities():
+        gloo.shutdown_sockets(sockets)
+    else:
+        gloo.shutdown_connections(own, peers)

@@ -42,8 +42,8 @@ import threading
 
 import torch.distributed as dist
 
-__all__ = ["LISTENING", "abort_work", "closed_sockets", "create_device", "group_sockets", "shutdown_connections",
-           "shutdown_sockets"]
+__all__ = ["LISTENING", "abort_work", "closed_sockets", "create_device", "group_sockets", "identities",
+           "shutdown_connections", "shutdown_sockets", "socket_fds"]
 
 #: held while a listening socket is opened in this process (one gloo device at a time, and the session's answer
 #: sockets, ``worker/sockets.py``), so that the one new listening socket ``create_device`` finds is that device's
@@ -57,7 +57,7 @@ def _fd_dir() -> str | None:
     return None
 
 
-def _socket_fds() -> set[tuple[int, str | None]]:
+def socket_fds() -> set[tuple[int, str | None]]:
     """This process's socket descriptors, each with what it refers to (``socket:[inode]``, so that a descriptor
     closed and reused by another socket meanwhile counts as new); every descriptor, with None, where that cannot be
     told (without /proc)."""
@@ -114,10 +114,10 @@ def create_device(hostname: str):
     """A gloo device on ``hostname`` (``ProcessGroupGloo.create_device``) and the ``(ip, port)`` it listens on,
     or None if that could not be told (then ``shutdown_connections`` finds only the connections to peers)."""
     with LISTENING:
-        before = _socket_fds()
+        before = socket_fds()
         device = dist.ProcessGroupGloo.create_device(hostname=hostname)
         found = []
-        for fd, _ in _socket_fds() - before:
+        for fd, _ in socket_fds() - before:
             info = _inspect(fd)
             if info is None:
                 continue
@@ -148,7 +148,7 @@ def _group_connections(own, peers):
     """``(fd, dup)`` for each connected TCP socket of this process that belongs to the gloo group of ``own`` and
     ``peers`` (see ``shutdown_connections``); ``dup`` is a duplicate of it that the caller closes."""
     peers = {tuple(p) for p in peers if p}
-    for fd, _ in _socket_fds():
+    for fd, _ in socket_fds():
         info = _inspect(fd)
         if info is None:
             continue
@@ -170,17 +170,26 @@ def _identity(fd: int) -> str | None:
         return None
 
 
-def group_sockets(own, peers) -> list[tuple[int, str]]:
+def identities() -> bool:
+    """Whether this system tells what a descriptor refers to (``/proc/self/fd``): then a group's sockets are the ones
+    ``group_sockets`` recorded, else they are found by address when it is aborted (``shutdown_connections``)."""
+    return _fd_dir() == "/proc/self/fd"
+
+
+def group_sockets(own, peers, since=None) -> list[tuple[int, str]]:
     """The connected sockets of one gloo group, found as ``shutdown_connections`` finds them, as ``(fd, identity)``
     pairs, taken right after the group is built (gloo connects every pair then). ``shutdown_sockets`` shuts them
     down later even once their peer is gone: a socket whose peer reset it has no remote address left, so
     ``shutdown_connections`` no longer recognizes it, while an op posted on it may wait until the group's
-    timeout. Linux only (elsewhere empty)."""
+    timeout. With ``since`` (``socket_fds()`` taken before the group was built), only sockets opened after it:
+    a port is reused once its listener closed, so another session's older connection to a peer's previous gloo
+    port matches this group's peers by address (seen in a suite run beside a CPU hog, 2026-12-05: a failed
+    session's abort then shut down a healthy session's all-reduce). Linux only (elsewhere empty)."""
     found = []
     for fd, dup in _group_connections(own, peers):
         dup.close()
         identity = _identity(fd)
-        if identity is not None:
+        if identity is not None and (since is None or (fd, identity) not in since):
             found.append((fd, identity))
     return found
 
