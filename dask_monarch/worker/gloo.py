@@ -11,11 +11,14 @@ Shutting those connections down (``shutdown(SHUT_RDWR)``) fails every pending op
 with a SIGSTOPped peer ended 0.5 ms after the shutdown instead of at its 60 s timeout).
 
 ``create_device`` makes a group's device and tells its listening port; the ranks of a group exchange ports
-through the group's store (``Comms._new_group``), and ``shutdown_connections`` then finds the group's own
-sockets among the process's file descriptors: connected TCP sockets whose local port is this rank's listening
-port (the peers that connected to it) or whose remote port is a peer's (the connections this rank made). Each
-candidate is checked on a duplicate of its descriptor, so a descriptor closed and reused meanwhile is never
-touched; the listening socket is left alone (gloo's listener thread aborts the process on an accept error).
+through the group's store (``Comms._new_group``), and ``group_sockets`` then records the group's own sockets among
+the process's file descriptors: connected TCP sockets whose local port is this rank's listening port (the peers
+that connected to it) or whose remote port is a peer's (the connections this rank made), opened while the group
+was built (a port is reused once its listener closed, so an older socket of another group may match by address),
+each with its identity (``socket:[inode]``). ``shutdown_sockets`` shuts down those whose descriptor still refers
+to the same socket, so a descriptor closed and reused meanwhile is never touched; the listening socket is left
+alone (gloo's listener thread aborts the process on an accept error). Where descriptors cannot be identified
+(no ``/proc``), ``shutdown_connections`` finds them by address when the group is aborted.
 Linux (``/proc/self/fd``) and other systems with ``/dev/fd``; elsewhere the abort finds nothing to shut down.
 
 Shutting the connections down is not enough for a point-to-point transfer already under way (``to_mesh``): gloo
