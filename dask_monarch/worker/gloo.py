@@ -115,7 +115,7 @@ def _inspect(fd: int):
 
 def create_device(hostname: str):
     """A gloo device on ``hostname`` (``ProcessGroupGloo.create_device``) and the ``(ip, port)`` it listens on,
-    or None if that could not be told (then ``shutdown_connections`` finds only the connections to peers)."""
+    or None if that could not be told (then ``group_sockets`` finds only the connections to peers)."""
     with LISTENING:
         before = socket_fds()
         device = dist.ProcessGroupGloo.create_device(hostname=hostname)
