@@ -1,9 +1,17 @@
 """How the controller's costs grow with the mesh (issue 23 item 7): for each rank count N, a stock CLI cluster
 (``dask scheduler``, ``dask worker --nworkers N --nthreads 1``, loopback only) and the public API only:
 
-* ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms);
+* ``fetch``: p50 and p90 of ``dm.inspect`` of a 4-element tensor (ms), one after another: the ranks other than the
+  fetched one have passed everything they were sent, and their host's relay answers the fetch's barrier for them
+  (``worker/relay.py``, "Quiet ranks");
+* ``step fetch``: p50 of ``dm.inspect(y)`` right after ``y = x + x`` under ``mesh.activate()`` (ms; the op is
+  buffered, so the fetch's flush carries it): every rank has work, and each answers the barrier itself, as in a
+  training step that fetches its loss;
 * ``op``: controller time per eager op, ``x + x`` under ``mesh.activate()`` (us: the loop's wall time over its ops,
   the sync after it not counted);
+* ``op CPU``: the program thread's own CPU time per eager op over the same loops (us, ``time.thread_time``): what
+  the controller spends, without the time the other processes (the workers running those ops) take the cores from
+  it, which the ``op`` column includes where the cores are fewer than the processes;
 * ``compiled``: controller time per call of a compiled 8-op function (``dm.compile``; us: the calls' wall time over
   their number, the sync after them not counted);
 * ``sched CPU``: the scheduler process's CPU time (``psutil``) over ``--cpu-seconds`` (default 4) of eager ops
@@ -109,7 +117,9 @@ class Case:
         for _ in range(30):
             dm.inspect(y)
         self.fetches: list = []
+        self.steps: list = []
         self.ops: list = []
+        self.op_cpu: list = []
         self.compiled: list = []
         self.cpu: list = []
 
@@ -119,12 +129,19 @@ class Case:
             t0 = time.perf_counter()
             dm.inspect(x)
             self.fetches.append(time.perf_counter() - t0)
-        with self.mesh.activate():
+        for _ in range(fetches):
+            with self.mesh.activate():
+                y = x + x
             t0 = time.perf_counter()
+            dm.inspect(y)
+            self.steps.append(time.perf_counter() - t0)
+        with self.mesh.activate():
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(ops):
                 y = x + x
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         self.ops.append(wall / ops)
+        self.op_cpu.append(cpu / ops)
         dm.inspect(y)  # it submits the loop's task copies that wait for their ``task_interval``
         calls = max(1, ops // 20)
         with self.mesh.activate():
@@ -150,12 +167,15 @@ class Case:
     def figures(self) -> dict:
         times = sorted(self.fetches)
         return {"fetch p50": statistics.median(times) * 1e3, "fetch p90": times[int(len(times) * 0.9)] * 1e3,
-                "op": statistics.median(self.ops) * 1e6, "compiled": statistics.median(self.compiled) * 1e6,
+                "step fetch p50": statistics.median(self.steps) * 1e3,
+                "op": statistics.median(self.ops) * 1e6, "op CPU": statistics.median(self.op_cpu) * 1e6,
+                "compiled": statistics.median(self.compiled) * 1e6,
                 "sched CPU": round(100 * max(0.0, sum(c for c, _ in self.cpu)) / sum(w for _, w in self.cpu), 1),
                 "attach": self.attach}
 
 
-UNITS = {"fetch p50": "ms", "fetch p90": "ms", "op": "us", "compiled": "us", "sched CPU": "%", "attach": "s"}
+UNITS = {"fetch p50": "ms", "fetch p90": "ms", "step fetch p50": "ms", "op": "us", "op CPU": "us", "compiled": "us",
+         "sched CPU": "%", "attach": "s"}
 
 
 def _chain8(x):

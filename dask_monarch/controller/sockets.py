@@ -58,13 +58,16 @@ class SocketLink:
         self.thread.start()
 
     # ------------------------------------------------------------------------------------------------ sending
-    def send(self, batch: int, segments: list) -> bool:
-        """Write batch ``batch`` (its segments) with the pending acknowledgements, from this thread. False if the
-        link is lost, or is lost now (the socket broke, or the worker did not take the batch in time)."""
+    def send(self, batch: int, segments: list, extra: dict | None = None) -> bool:
+        """Write batch ``batch`` (its segments) with the pending acknowledgements (and the keys of ``extra``), from
+        this thread. False if the link is lost, or is lost now (the socket broke, or the worker did not take the
+        batch in time)."""
         with self._lock:
             if self.lost is not None:
                 return False
             msg = {"b": batch, "s": segments}
+            if extra:
+                msg.update(extra)
             if self._acks:
                 msg["a"], self._acks = self._acks, []
             try:

@@ -167,7 +167,10 @@ class Transport:
         self._buffer = []
         self._wake.clear()
         items.extend(self._take_deletes())
+        quiet = None  # for the relays: (seq, the ranks with more than the RequestStatus) of a sync flush
         if sync_seq is not None:
+            if not exit_after:
+                quiet = (sync_seq, _busy(items, self._all))
             items.append((self._all, RequestStatus(sync_seq, False)))
             if exit_after:
                 items.append((self._all, Exit(None)))
@@ -219,7 +222,7 @@ class Transport:
                 continue
             self._submit(rank)
         for host, (entries, segs, _) in hosts.items():
-            if host.send(entries, segs):
+            if host.send(entries, segs, quiet):
                 for rank, _, _ in entries:  # its task carries its number alone (the module's docstring)
                     self._later[rank][-1] = (self._later[rank][-1][0], None, self._later[rank][-1][2])
                 if not exit_after:
@@ -516,3 +519,16 @@ class Transport:
                     ))
                 except Exception:
                     pass
+
+
+def _busy(items: list, everyone: tuple) -> tuple | None:
+    """The ranks that ``items`` (a flush's ``(targets, message)`` before its ``RequestStatus``) go to, or None if one
+    goes to every rank: a host's relay may answer that ``RequestStatus`` itself for the other ranks, those that had
+    passed all they were sent (``worker/relay.py``, "Quiet ranks")."""
+    busy: set = set()
+    for targets, _ in items:
+        if targets is everyone:
+            return None
+        busy.update(targets)
+    return tuple(sorted(busy))
+

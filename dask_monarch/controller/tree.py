@@ -156,6 +156,13 @@ class HostLink(SocketLink):
         self.lost_ranks: dict[int, str] = {}
         super().__init__(channels, ranks[0], offer, ssl_context, timeout)
 
+    def send(self, batches: list, segments: list, quiet: tuple | None = None) -> bool:
+        """Write one flush's ``batches`` for this host (``[(rank, batch, [segment index, ...])]``) and ``segments``;
+        ``quiet``, for a flush that ends with ``RequestStatus{seq}`` (no ``Exit``): ``(seq, busy)``, ``busy`` the
+        ranks that get more than that (None: every rank), so that the relay may answer it for the others
+        (``worker/relay.py``, "Quiet ranks"). False if the link is lost (``SocketLink.send``)."""
+        return super().send(batches, segments, None if quiet is None else {"q": quiet})
+
     def _apply(self, blob) -> None:
         """Apply the entries of one answer chunk of the relay, in order, on this link's reader: a rank's own chunk
         (``"c"``, as ``Session._on_chunk`` does without its chunk order: the relay keeps each rank's order), every

@@ -75,7 +75,8 @@ def _offer_sockets(plugin, tw, on_lost):
         host = get_address_host(worker.address)
         ssl_context = worker.security.get_listen_args("worker").get("ssl_context")
         limit = receivable(worker.memory_manager.memory_limit)
-        end = SocketEnd(tw.session_id, tw.rank, SocketInbox(tw), tw.outbox, host, ssl_context, on_lost, limit)
+        tw.socket_inbox = SocketInbox(tw)
+        end = SocketEnd(tw.session_id, tw.rank, tw.socket_inbox, tw.outbox, host, ssl_context, on_lost, limit)
     except Exception as e:  # an address without a host (inproc://), no port free, ...
         return None, {"refused": f"{type(e).__name__}: {e}"}
     return end, end.offer

@@ -138,6 +138,7 @@ class SocketInbox:
         self.inbox = tensor_worker.inbox
         self._tw = weakref.ref(tensor_worker)
         self.answered = 0
+        self.noted_count = 0  # batches its host relay answered (``noted``)
 
     def put(self, batch_seq: int, segments: list) -> bool:
         if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) <= _SMALL \
@@ -157,6 +158,24 @@ class SocketInbox:
                     tw.emit_status(msg.seq, msg.controller)
                     return True
         return self.inbox.put(batch_seq, segments)
+
+    def noted(self, entries: list) -> None:
+        """``entries``: ``[(batch_seq, seq), ...]``, batches that were a lone ``RequestStatus{seq}`` which this rank's
+        host relay answered for it (the rank had run all it was sent before: ``worker/relay.py``, "Quiet ranks") and
+        hands over later. Each is applied here as ``put`` would, without reporting the ``Status`` again; a rank
+        that is not idle after all takes it the ordinary way (its ``Status`` then goes to the relay, which keeps
+        the highest)."""
+        tw = self._tw()
+        for batch_seq, seq in entries:
+            msg = RequestStatus(seq, False)
+            if tw is not None and tw.failure is None and not tw.closed \
+                    and self.inbox.take_idle(batch_seq, lambda: _idle(tw)):
+                tw.received += 1
+                tw.current = msg
+                self.noted_count += 1
+                tw.emit_status(seq, report=False)
+            else:
+                self.inbox.put(batch_seq, [pickle.dumps([msg], protocol=5)])
 
 
 def _idle(tw) -> bool:

@@ -28,6 +28,18 @@ seq)``, so that a fetch costs the controller one answer per host; anything else 
 what waited before it. Nothing is acknowledged: a relayed rank's outbox keeps no chunk (``Outbox.push``), since
 the relay is the only way its answers travel and the controller fails the session when the relay's sockets break
 (its worker died), naming the leader's worker, instead of looking elsewhere for them.
+
+Quiet ranks. A fetch sends ``RequestStatus{seq}`` to every rank, and most ranks have nothing else to do for it
+(spec §1 "Fetch"). For a flush that ends with ``RequestStatus{seq}``, the controller's frame says which ranks get
+more than that (``"q": (seq, busy)``; ``busy`` None: every rank). The relay answers the barrier itself for a rank
+that gets nothing else and has passed everything it was sent (its last batch ended with a ``RequestStatus`` that
+it answered, and its sockets are up): by the barrier's rule (spec §2) that rank would answer ``Status{seq + 1}`` at
+once, and nothing can reach its streams but through this relay. The relay counts it as passed, and hands the
+batch to the rank later, in order, as ``{"d": [(batch, seq), ...]}`` (``SocketInbox.noted``: applied without a
+second ``Status``): before the rank's next batch, or within ``QUIET_DELAY`` seconds. So consecutive fetches at a
+mesh wake the fetched rank and the relays only, not every rank per fetch; a sub-relay all of whose ranks are quiet
+is answered for the same way (its ``"d"`` lists ``(rank, batch, seq)``), and a rank that is busy, or that the relay
+lost, is asked as before.
 """
 
 from __future__ import annotations
@@ -35,7 +47,9 @@ from __future__ import annotations
 import logging
 import pickle
 import selectors
+import socket
 import threading
+import time
 
 from ..protocol import FetchResult, Status, tensor_bytes
 from ..protocol.frames import FrameReader, connect_pair, send_frame, shutdown
@@ -52,6 +66,10 @@ RELAY_OP = "monarch_relay"
 CONNECT_TIMEOUT = 10.0
 _HELD = (Status, FetchResult)
 _STATUS = frozenset({Status})
+#: seconds a quiet rank's barrier that the relay answered may wait before it is handed to the rank (the module's
+#: docstring): a Dask task copy of it (``sync_batch``) and the dashboard's view of the rank wait that long at most
+QUIET_DELAY = 0.025
+_NEVER = float("inf")  # what a rank must pass after a batch without a barrier: it is not quiet before its next one
 #: the last entry of what a relay sends at once (not held for the host's minimum): a sub-relay's parent sends it on
 #: at once too (``HostRelay.below``); the controller ignores it
 _AT_ONCE = ("!",)
@@ -68,6 +86,7 @@ class _RankLink:
         self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
         self.lock = threading.Lock()  # writes on the down socket
         self.ended = False
+        self.alive = True  # its sockets are up (not yet ended or closed)
         if ranks is None:  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
             self.send({"r": True})
         self.up.setblocking(False)
@@ -79,12 +98,14 @@ class _RankLink:
 
     def end(self) -> None:
         """On the fan-in thread, once its up socket is done: close both."""
+        self.alive = False
         shutdown(self.down)
         with self.lock:  # no forward is writing on it meanwhile
             self.down.close()
         self.up.close()
 
     def close(self) -> None:
+        self.alive = False
         shutdown(self.down)
         shutdown(self.up)
 
@@ -95,8 +116,11 @@ class _RelayInbox:
     def __init__(self, relay):
         self.relay = relay
 
-    def put(self, batches, segments) -> None:
-        self.relay.forward(batches, segments)
+    def put(self, batches, segments, quiet=None) -> None:
+        self.relay.forward(batches, segments, quiet)
+
+    def noted(self, entries) -> None:
+        self.relay.noted(entries)
 
 
 class _RelayOutbox:
@@ -111,8 +135,17 @@ class _RelayOutbox:
         self._early = False  # entries came before the controller connected
 
     def put(self, entries: list) -> None:
+        self.extend(entries)
+        self.wake()
+
+    def extend(self, entries: list) -> None:
+        """Queue ``entries`` (under the relay's lock: the order of what the relay's threads send is its order)."""
         with self._lock:
             self._entries.extend(entries)
+
+    def wake(self) -> None:
+        """Let the controller's sockets push what is queued (outside the relay's lock)."""
+        with self._lock:
             channel = self._channel
             if channel is None:
                 self._early = True
@@ -167,11 +200,20 @@ class HostRelay:
         self._passed = {rank: 0 for rank in [*offers, *(children or {})]}  # each rank's (sub-relay's) last seq
         self._low = 0  # the last ("s", seq) sent
         self._held: list = []  # entries waiting for the next ("s", seq)
+        # the Status each must report to count as quiet (the module's docstring): none before it answered a barrier
+        # that came through here (batches sent before the relay started went another way)
+        self._need = dict.fromkeys(self._passed, _NEVER)
+        self._deferred: dict = {}  # link -> barriers answered here, not yet handed to it
+        self._due: float | None = None  # when they are handed over at the latest
+        self._fan_out = threading.Lock()  # one writer of the ranks' batches at a time (a flush, or a hand-over)
         self._closed = False
         self.outbox = _RelayOutbox()
         self.links: dict[int, _RankLink] = {}  # this relay's own ranks
         self.children: dict[int, _RankLink] = {}  # sub-relays, by their leader
         self._child_of: dict[int, _RankLink] = {}  # each rank of a sub-relay -> its link
+        self._wake_in, self._wake_out = socket.socketpair()  # wakes the fan-in thread for a hand-over's deadline
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
         try:
             for rank in sorted(offers):
                 self.links[rank] = _RankLink(self, rank, offers[rank], client_ssl)
@@ -183,6 +225,8 @@ class HostRelay:
         except BaseException:
             for link in [*self.links.values(), *self.children.values()]:
                 link.end()
+            self._wake_in.close()
+            self._wake_out.close()
             raise
         self.offer = self.end.offer
         self.thread = threading.Thread(target=self._fan_in, daemon=True, name=f"monarch-{self.tag}-relay")
@@ -190,11 +234,13 @@ class HostRelay:
         self.end.attach()
 
     # ------------------------------------------------------------------------------------------------ fan-out
-    def forward(self, batches, segments) -> None:
+    def forward(self, batches, segments, quiet=None) -> None:
         """Write each rank's batch of one flush on its down socket and each sub-relay's ranks' batches in one frame
         (on the down reader). A flush holds one batch per rank, so the order across ranks is free: the sub-relays
         go first (the longest way down), then the other ranks, and the leader's own rank last (its worker's threads
-        would otherwise take this process's GIL while the others are still being written)."""
+        would otherwise take this process's GIL while the others are still being written). ``quiet``: ``(seq,
+        busy)`` for a flush that ends with ``RequestStatus{seq}``, whose barrier is answered here for the quiet
+        ranks and sub-relays (the module's docstring)."""
         below: dict = {}
         own = []
         for rank, batch, indices in batches:
@@ -203,12 +249,93 @@ class HostRelay:
                 own.append((link, batch, indices))
             elif rank in self._child_of:
                 below.setdefault(self._child_of[rank], []).append((rank, batch, indices))
-        for link, sub in below.items():
-            self._send(link, {"b": sub, "s": segments})
+        extra = {} if quiet is None else {"q": quiet}
+        frames = [(link, {"b": sub, "s": segments, **extra}) for link, sub in below.items()]
         if len(own) > 1 and own[0][0].rank == self.leader:
             own.append(own.pop(0))
-        for link, batch, indices in own:
-            self._send(link, {"b": batch, "s": [segments[i] for i in indices]})
+        frames += [(link, {"b": batch, "s": [segments[i] for i in indices]}) for link, batch, indices in own]
+        seq, busy = quiet if quiet is not None else (None, None)
+        with self._fan_out:
+            out = self._answer_quiet(frames, seq, busy)
+            for link, msg in frames:
+                if msg is not None:
+                    if link in self._deferred:  # its earlier barriers go first, in order
+                        self._hand_over(link)
+                    self._send(link, msg)
+            if out is not None and self._due is None and self._deferred:
+                self._due = time.monotonic() + QUIET_DELAY
+                try:
+                    self._wake_out.send(b"w")
+                except OSError:  # closed: the relay is ending
+                    pass
+        if out:
+            self.outbox.wake()
+
+    def _answer_quiet(self, frames: list, seq: int | None, busy) -> list | None:
+        """Under the fan-out lock, before ``frames`` (``[(link, msg)]``) are written: what each link must pass to
+        count as quiet after them, and the barriers answered here, whose ``msg`` becomes None (kept for a later
+        ``_hand_over``). Returns None if none was answered here, else what went to the controller (maybe ``[]``)."""
+        need = _NEVER if seq is None else seq + 1
+        busy = None if busy is None else set(busy)
+        answered = False
+        with self._lock:
+            for i, (link, msg) in enumerate(frames):
+                key = link.rank
+                if busy is not None and link.alive and not link.ended and self._passed[key] >= self._need[key] \
+                        and (key not in busy if link.ranks is None
+                             else len(msg["b"]) == len(link.ranks) and busy.isdisjoint(link.ranks)):
+                    entries = [(msg["b"], seq)] if link.ranks is None else [(r, b, seq) for r, b, _ in msg["b"]]
+                    self._deferred.setdefault(link, []).extend(entries)
+                    self._passed[key] = max(self._passed[key], need)
+                    frames[i] = (link, None)
+                    answered = True
+                self._need[key] = need
+            if not answered:
+                return None
+            low = min(self._passed.values())
+            if low <= self._low:
+                return []
+            self._low = low
+            self._held.append(("s", low))
+            out, self._held = self._held, []
+            self.outbox.extend(out)
+            return out
+
+    def _hand_over(self, link: _RankLink) -> None:
+        """Under the fan-out lock: hand ``link`` the barriers answered for it (``{"d": [...]}``)."""
+        entries = self._deferred.pop(link, None)
+        if entries:
+            self._send(link, {"d": entries})
+
+    def _hand_over_all(self) -> None:
+        """On the fan-in thread, at ``QUIET_DELAY`` after a barrier was answered here: hand every link its own; if
+        a flush is being written meanwhile (a stopped rank may hold it up to ``SEND_TIMEOUT``), later, so that this
+        thread goes on reading the answers."""
+        if not self._fan_out.acquire(blocking=False):
+            self._due = time.monotonic() + QUIET_DELAY
+            return
+        try:
+            self._due = None
+            for link in list(self._deferred):
+                self._hand_over(link)
+        finally:
+            self._fan_out.release()
+
+    def noted(self, entries: list) -> None:
+        """On a sub-relay: ``entries`` (``[(rank, batch, seq)]``), barriers that the host relay answered for its
+        ranks, handed to each rank at once (the host relay waited already)."""
+        per_link: dict = {}
+        for rank, batch, seq in entries:
+            link = self.links.get(rank)
+            if link is not None:
+                per_link.setdefault(link, []).append((batch, seq))
+            elif rank in self._child_of:
+                per_link.setdefault(self._child_of[rank], []).append((rank, batch, seq))
+        with self._fan_out:
+            for link, items in per_link.items():
+                if link in self._deferred:
+                    self._hand_over(link)
+                self._send(link, {"d": items})
 
     def _send(self, link: _RankLink, msg: dict) -> None:
         try:
@@ -227,9 +354,17 @@ class HostRelay:
             with selectors.DefaultSelector() as selector:
                 for link in [*self.links.values(), *self.children.values()]:
                     selector.register(link.up, selectors.EVENT_READ, link)
+                selector.register(self._wake_in, selectors.EVENT_READ, None)
                 left = len(self.links) + len(self.children)
                 while left:
-                    for key, _ in selector.select():
+                    due = self._due
+                    for key, _ in selector.select(None if due is None else max(0.0, due - time.monotonic())):
+                        if key.data is None:  # a barrier was answered here: ``_due`` is set
+                            try:
+                                self._wake_in.recv(64)
+                            except OSError:
+                                pass
+                            continue
                         link, frames, why = key.data, [], None
                         try:
                             try:
@@ -256,8 +391,13 @@ class HostRelay:
                                     self.lost(rank, f"its sub-relay on rank {link.rank} closed ({why})")
                             elif not link.ended:
                                 self.lost(link.rank, why)
+                    due = self._due
+                    if due is not None and time.monotonic() >= due:
+                        self._hand_over_all()
         finally:  # every rank's sockets closed (or a bug here): the relay ends, the controller hears it
             self.close()
+            self._wake_in.close()
+            self._wake_out.close()
 
     def chunk(self, rank: int, blob) -> None:
         """An answer chunk of ``rank`` (on the fan-in thread): absorbed, held or sent (the module's docstring). An
@@ -279,8 +419,10 @@ class HostRelay:
                 out, self._held = self._held, []
             elif kinds - set(_HELD):
                 out, self._held = self._held + [_AT_ONCE], []
+            if out:
+                self.outbox.extend(out)
         if out:
-            self.outbox.put(out)
+            self.outbox.wake()
 
     @staticmethod
     def _read_chunk(blob) -> tuple[set, list]:
@@ -308,7 +450,8 @@ class HostRelay:
     def _now(self, entry) -> None:
         with self._lock:
             out, self._held = self._held + [entry, _AT_ONCE], []
-        self.outbox.put(out)
+            self.outbox.extend(out)
+        self.outbox.wake()
 
     def below(self, link: _RankLink, blob) -> None:
         """An answer chunk of the sub-relay ``link`` (on the fan-in thread): its ``("s", seq)`` stands for all its
@@ -338,8 +481,10 @@ class HostRelay:
                 self._held.append(("s", low))
             if moved or now:
                 out, self._held = self._held + ([_AT_ONCE] if now else []), []
+            if out:
+                self.outbox.extend(out)
         if out:
-            self.outbox.put(out)
+            self.outbox.wake()
 
     # --------------------------------------------------------------------------------------------------- end
     def _controller_lost(self, error) -> None:

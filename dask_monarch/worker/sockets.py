@@ -94,7 +94,12 @@ class SocketEnd:
             while True:
                 msg = recv_frame(down, limit)
                 if "b" in msg:
-                    inbox.put(msg["b"], msg["s"])
+                    if "q" in msg:  # to a relay: a sync flush, whose quiet ranks it may answer for
+                        inbox.put(msg["b"], msg["s"], msg["q"])
+                    else:
+                        inbox.put(msg["b"], msg["s"])
+                elif "d" in msg:  # lone RequestStatus batches that a relay answered for this rank (``worker/relay.py``)
+                    inbox.noted(msg["d"])
                 elif "r" in msg:  # a host's relay connected (``worker/relay.py``): answers go through it alone
                     outbox.relayed = True
                 for chunk in msg.get("a", ()):

@@ -144,6 +144,7 @@ class TensorWorker(CommHandlers):
         self.closed = False
         self._closing = False
         self.completed_seq = 0
+        self.socket_inbox = None  # what its answer sockets deliver to (``worker/channel.py``), once offered
         self.received = 0
         self._cond = threading.Condition()
         self._on_close = on_close
@@ -261,8 +262,12 @@ class TensorWorker(CommHandlers):
         self.errors += 1
         self.recent_errors.append((time.time(), seq, text))
 
-    def emit_status(self, seq: int, controller: bool = False) -> None:
-        self.report(Status(seq + 1, self.actor_id, controller))
+    def emit_status(self, seq: int, controller: bool = False, report: bool = True) -> None:
+        """Every stream has run what came before ``RequestStatus{seq}``: report ``Status{seq + 1}`` (unless
+        ``report`` is False: a barrier the rank's host relay answered for it, ``worker/relay.py``) and wake
+        ``wait_status``."""
+        if report:
+            self.report(Status(seq + 1, self.actor_id, controller))
         with self._cond:
             self.completed_seq = max(self.completed_seq, seq + 1)
             self._cond.notify_all()
