@@ -167,10 +167,9 @@ class Transport:
         self._buffer = []
         self._wake.clear()
         items.extend(self._take_deletes())
-        quiet = None  # for the relays: (seq, the ranks with more than the RequestStatus) of a sync flush
+        quiet = None  # a sync flush's (seq, the ranks that get more than its RequestStatus), for the host relays
         if sync_seq is not None:
-            if not exit_after:
-                quiet = (sync_seq, _busy(items, self._all))
+            quiet = None if exit_after else (sync_seq, batch.targeted(items, self._all))
             items.append((self._all, RequestStatus(sync_seq, False)))
             if exit_after:
                 items.append((self._all, Exit(None)))
@@ -519,16 +518,3 @@ class Transport:
                     ))
                 except Exception:
                     pass
-
-
-def _busy(items: list, everyone: tuple) -> tuple | None:
-    """The ranks that ``items`` (a flush's ``(targets, message)`` before its ``RequestStatus``) go to, or None if one
-    goes to every rank: a host's relay may answer that ``RequestStatus`` itself for the other ranks, those that had
-    passed all they were sent (``worker/relay.py``, "Quiet ranks")."""
-    busy: set = set()
-    for targets, _ in items:
-        if targets is everyone:
-            return None
-        busy.update(targets)
-    return tuple(sorted(busy))
-

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .messages import CallFunction, Reduce, SendValue
 from .refs import StreamRef
 
-__all__ = ["STREAM_MESSAGES", "lane", "segments"]
+__all__ = ["STREAM_MESSAGES", "lane", "segments", "targeted"]
 
 #: messages whose whole effect is on their own ``stream``: they may travel in a stream's segment
 STREAM_MESSAGES = (CallFunction, SendValue, Reduce)
@@ -61,3 +61,16 @@ def _close(out: list, key: tuple, run: list, dumps) -> None:
     targets, stream_id = key
     blob = dumps(run)
     out.append((targets, blob if stream_id is None else (stream_id, len(run), blob)))
+
+
+def targeted(items: list, everyone: tuple) -> tuple | None:
+    """The ranks that ``items`` (``(targets, message)``) go to, sorted, or None if one of them goes to ``everyone``
+    (the session's every rank). A sync flush tells the host relays which ranks get more than its ``RequestStatus``:
+    the relay may answer it for the others, those that had passed all they were sent (``worker/relay.py``, "Quiet
+    ranks")."""
+    ranks: set = set()
+    for targets, _ in items:
+        if targets is everyone:
+            return None
+        ranks.update(targets)
+    return tuple(sorted(ranks))
