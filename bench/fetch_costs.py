@@ -10,7 +10,12 @@ loop and divided by the fetches; threads are named as Python names them (``threa
 ``--strace``, ``strace -c -f`` of the plain rank's worker during the loop counts its syscalls per fetch (it slows the
 rank a lot: take its counts, not its times).
 
-Usage: ``python bench/fetch_costs.py [--ranks 8] [--seconds 15] [--py-spy DIR] [--strace]``.
+With ``--loop op`` the loop is of eager ops instead (``x + x`` under ``mesh.activate()``, 1,000 at a time, each
+thousand followed by a fetch so that the workers keep up), and the figures are per op: what an op costs the
+controller, the relay's worker and a plain rank's worker; with ``--loop step``, of training-step fetches (``y = x +
+x`` under ``activate()``, then ``dm.inspect(y)``: every rank has work, and answers the fetch's barrier itself).
+
+Usage: ``python bench/fetch_costs.py [--ranks 8] [--seconds 15] [--loop fetch|op|step] [--py-spy DIR] [--strace]``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ def main(argv=None) -> None:
     parser.add_argument("--py-spy", dest="pyspy", default=None, help="a folder for py-spy's raw profiles")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of the idle baseline (default 5)")
     parser.add_argument("--strace", action="store_true", help="count the plain rank's syscalls (strace -c -f)")
+    parser.add_argument("--loop", choices=("fetch", "op", "step"), default="fetch",
+                        help="what the timed loop does: fetches (default), eager ops, or an op then a fetch")
     args = parser.parse_args(argv)
     cluster = CliCluster(args.ranks)
     try:
@@ -101,13 +108,23 @@ def main(argv=None) -> None:
         end = time.monotonic() + args.seconds - (2 if tools else 0)
         while time.monotonic() < end:
             t0 = time.perf_counter()
-            dm.inspect(x)
+            if args.loop == "fetch":
+                dm.inspect(x)
+            elif args.loop == "step":
+                with mesh.activate():
+                    y = x + x
+                dm.inspect(y)
+            else:
+                with mesh.activate():
+                    for _ in range(1000):
+                        y = x + x
+                dm.inspect(y)
             times.append(time.perf_counter() - t0)
         after = {k: threads_of(p) for k, p in procs.items()}
         loop_wall = time.monotonic() - loop_start
         total1 = {k: sum(psutil.Process(p).cpu_times()[:2]) for k, p in
                   [*procs.items(), ("sched", cluster.scheduler.pid)]}
-        n = len(times)
+        n = len(times) * (1000 if args.loop == "op" else 1)
         strace_out = ""
         for tool in tools:
             if tool.args[0] == "strace":
@@ -119,10 +136,11 @@ def main(argv=None) -> None:
     finally:
         cluster.close()
     times.sort()
-    print(f"bench/fetch_costs.py: {args.ranks} ranks, {n} fetches in {args.seconds:.0f} s ({os.cpu_count()} cores, "
+    each = {"fetch": "fetch", "step": "step", "op": "op"}[args.loop]
+    print(f"bench/fetch_costs.py: {args.ranks} ranks, {n} {each}s in {args.seconds:.0f} s ({os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}): p50 {statistics.median(times) * 1e3:.3f} ms, "
-          f"p90 {times[int(n * 0.9)] * 1e3:.3f} ms")
-    print("process CPU per fetch (us): " + ", ".join(f"{k} {(total1[k] - total0[k]) / n * 1e6:.0f}" for k in total1))
+          f"p90 {times[int(len(times) * 0.9)] * 1e3:.3f} ms" + (" (a thousand ops and a fetch)" if each == "op" else ""))
+    print(f"process CPU per {each} (us): " + ", ".join(f"{k} {(total1[k] - total0[k]) / n * 1e6:.0f}" for k in total1))
     for key in procs:
         rows = []
         scale = loop_wall / args.idle  # the idle baseline over as long as the loop ran
@@ -134,11 +152,11 @@ def main(argv=None) -> None:
                 rows.append(((cpu - cpu0) / n * 1e6, (sw - sw0) / n, (cpu - cpu0 - base_cpu) / n * 1e6,
                              (sw - sw0 - base_sw) / n, names[key].get(tid, f"tid {tid}")))
         rows.sort(reverse=True)
-        print(f"  {key} (pid {procs[key]}): thread: CPU us / wake-ups per fetch; the same less the idle baseline")
+        print(f"  {key} (pid {procs[key]}): thread: CPU us / wake-ups per {each}; the same less the idle baseline")
         for cpu, sw, net_cpu, net_sw, name in rows[:12]:
             print(f"    {name[:44]:<44} {cpu:8.1f} {sw:6.2f}   {net_cpu:8.1f} {net_sw:6.2f}")
     if strace_out:
-        print(f"  rank's syscalls over {n} fetches (strace -c -f; per fetch = calls / {n}):")
+        print(f"  rank's syscalls over {n} {each}s (strace -c -f; per {each} = calls / {n}):")
         for line in strace_out.splitlines():
             parts = line.split()
             if len(parts) >= 5 and parts[3].isdigit():
