@@ -130,6 +130,7 @@ class _Link:
 
     def __init__(self, rank, ranks=None, alive=True):
         self.rank, self.ranks, self.alive, self.ended = rank, ranks, alive, False
+        self.done, self.lost_ranks = set(), set()
 
 
 def _relay(passed: dict, need: dict):
@@ -166,3 +167,17 @@ def test_the_relay_answers_only_for_ranks_that_get_nothing_else_passed_all_and_a
     # a flush without a barrier (no ``q``): nothing answered, and every rank must answer a barrier again first
     frames = [(r1, {"b": 11, "s": []})]
     assert relay._answer_quiet(frames, None, None) is None and relay._need[1] == float("inf")
+
+
+def test_a_sub_relay_that_lost_one_of_its_ranks_is_not_answered_for():
+    """A sub-relay's rank whose sockets broke (its ``("l", rank, why)`` came up) is not answered for by the host
+    relay, as a rank of its own would not be: before, the host relay answered for the whole sub-relay, and fetches
+    returned values for the ``HostLink.LOST_GRACE`` (5 s) until the session failed naming the rank (fanout 2, 5
+    ranks, rank 3's sockets to its sub-relay shut down on its live worker: /work/quiet/break_sockets.py 5 3 2)."""
+    child = _Link(5, ranks=[5, 6])
+    relay = _relay({5: 10}, {5: 10})
+    relay.below(child, [("l", 6, "EOFError: the peer closed the connection"), ("!",)])
+    assert child.lost_ranks == {6}
+    frames = [(child, {"b": [(5, 7, [0]), (6, 7, [0])]})]
+    assert relay._answer_quiet(frames, 11, (0,)) is None and frames[0][1] is not None
+    assert relay._deferred == {}

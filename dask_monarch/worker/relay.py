@@ -39,7 +39,7 @@ batch to the rank later, in order, as ``{"d": [(batch, seq), ...]}`` (``SocketIn
 second ``Status``): before the rank's next batch, or within ``QUIET_DELAY`` seconds. So consecutive fetches at a
 mesh wake the fetched rank and the relays only, not every rank per fetch; a sub-relay all of whose ranks are quiet
 is answered for the same way (its ``"d"`` lists ``(rank, batch, seq)``), and a rank that is busy, or that the relay
-lost, is asked as before.
+(or the sub-relay: its ``("l", rank, why)``) lost, is asked as before.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class _RankLink:
         self.rank = rank  # the rank, or a sub-relay's leader
         self.ranks = ranks  # a sub-relay's ranks; None for a rank
         self.done: set = set()  # the ranks of a sub-relay whose session ended (their ("x", rank, seq) came)
+        self.lost_ranks: set = set()  # the ranks a sub-relay lost (their ("l", rank, why) came): it is never quiet
         self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
         self.lock = threading.Lock()  # writes on the down socket
         self.ended = False
@@ -283,7 +284,8 @@ class HostRelay:
                 key = link.rank
                 if busy is not None and link.alive and not link.ended and self._passed[key] >= self._need[key] \
                         and (key not in busy if link.ranks is None
-                             else len(msg["b"]) == len(link.ranks) and busy.isdisjoint(link.ranks)):
+                             else len(msg["b"]) == len(link.ranks) and busy.isdisjoint(link.ranks)
+                             and not link.lost_ranks and not link.done):
                     entries = [(msg["b"], seq)] if link.ranks is None else [(r, b, seq) for r, b, _ in msg["b"]]
                     self._deferred.setdefault(link, []).extend(entries)
                     self._passed[key] = max(self._passed[key], need)
@@ -468,6 +470,8 @@ class HostRelay:
             else:
                 if kind == "x":
                     link.done.add(entry[1])
+                elif kind == "l":
+                    link.lost_ranks.add(entry[1])
                 keep.append(entry)
         out = None
         with self._lock:
