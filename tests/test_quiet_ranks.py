@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,8 +20,11 @@ from distributed import Client, LocalCluster, wait
 
 import dask_monarch as dm
 from conftest import wait_until
+from processes import sigstop
 from dask_monarch.worker.plugin import PLUGIN_NAME
-from dask_monarch.worker.relay import QUIET_DELAY, HostRelay, _RelayOutbox
+from dask_monarch.worker.proc_state import ProcState, identity
+from dask_monarch.worker.quiet import QUIET_DELAY, QUIET_HEARD
+from dask_monarch.worker.relay import HostRelay, _RelayOutbox
 
 TIMEOUT = 60
 
@@ -97,9 +102,11 @@ def test_a_fetch_waits_for_a_rank_that_is_still_busy(client4):
         waited = time.monotonic() - start
         assert waited > 1.5, f"the fetch returned after {waited:.2f} s while rank 2 was still running its call"
         assert dm.inspect(y, dp=2).tolist() == [2.0, 2.0]
+        mid = _handed_over(client4, mesh)
+        assert mid[2]["noted"] == before[2]["noted"]  # rank 2 answered both barriers itself
+        assert dm.inspect(x, dp=0).tolist() == [0.0, 0.0]  # every rank idle and just heard from
         after = _handed_over(client4, mesh)
-        assert after[3]["noted"] - before[3]["noted"] >= 1  # rank 3 was quiet for the second fetch
-        assert after[2]["noted"] == before[2]["noted"]  # rank 2 answered both barriers itself
+        assert [after[r]["noted"] - mid[r]["noted"] for r in range(4)] == [0, 1, 1, 1]
 
 
 def test_a_quiet_rank_whose_worker_was_killed_is_not_answered_for():
@@ -128,9 +135,11 @@ def test_a_quiet_rank_whose_worker_was_killed_is_not_answered_for():
 class _Link:
     """What ``HostRelay._answer_quiet`` reads of a link: a rank's (``ranks`` None) or a sub-relay's."""
 
-    def __init__(self, rank, ranks=None, alive=True):
+    def __init__(self, rank, ranks=None, alive=True, heard: float = 0.0):
         self.rank, self.ranks, self.alive, self.ended = rank, ranks, alive, False
         self.done, self.lost_ranks = set(), set()
+        self.heard = time.monotonic() - heard  # ``heard`` seconds ago
+        self.procs = []  # no process to check (``proc_state.py``): running
 
 
 def _relay(passed: dict, need: dict):
@@ -173,7 +182,7 @@ def test_a_sub_relay_that_lost_one_of_its_ranks_is_not_answered_for():
     """A sub-relay's rank whose sockets broke (its ``("l", rank, why)`` came up) is not answered for by the host
     relay, as a rank of its own would not be: before, the host relay answered for the whole sub-relay, and fetches
     returned values for the ``HostLink.LOST_GRACE`` (5 s) until the session failed naming the rank (fanout 2, 5
-    ranks, rank 3's sockets to its sub-relay shut down on its live worker: /work/quiet/break_sockets.py 5 3 2)."""
+    ranks, rank 3's sockets to its sub-relay shut down on its live worker)."""
     child = _Link(5, ranks=[5, 6])
     relay = _relay({5: 10}, {5: 10})
     relay.below(child, [("l", 6, "EOFError: the peer closed the connection"), ("!",)])
@@ -181,3 +190,65 @@ def test_a_sub_relay_that_lost_one_of_its_ranks_is_not_answered_for():
     frames = [(child, {"b": [(5, 7, [0]), (6, 7, [0])]})]
     assert relay._answer_quiet(frames, 11, (0,)) is None and frames[0][1] is not None
     assert relay._deferred == {}
+
+
+def test_a_rank_not_heard_from_lately_is_asked_not_answered_for():
+    """A rank (or sub-relay) whose last frame is older than ``QUIET_HEARD`` (a SIGSTOPped process answers none of its
+    hand-overs) gets the barrier and is waited for, so the heartbeat bound still catches a stopped process."""
+    fresh, stale = _Link(1), _Link(2, heard=QUIET_HEARD + 0.5)
+    child = _Link(5, ranks=[5, 6], heard=QUIET_HEARD + 0.5)
+    relay = _relay({1: 10, 2: 10, 5: 10}, {1: 10, 2: 10, 5: 10})
+    frames = [(fresh, {"b": 7, "s": []}), (stale, {"b": 7, "s": []}), (child, {"b": [(5, 7, [0]), (6, 7, [0])]})]
+    assert relay._answer_quiet(frames, 11, (0,)) == []
+    assert [m is None for _, m in frames] == [True, False, False] and list(relay._deferred) == [fresh]
+
+
+def test_proc_state_tells_a_running_process_from_a_stopped_a_gone_and_another_one():
+    """``proc_state.ProcState``: this process runs; a child runs, then is stopped (SIGSTOP), runs again (SIGCONT), and
+    is gone once killed; a pid with another start time (a reused pid) and an unknown process are not running."""
+    assert identity() is not None and ProcState(identity()).running()
+    assert not ProcState(None).running()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            start = int(f.read().rsplit(b")", 1)[1].split()[19])
+        state = ProcState((child.pid, start))
+        assert state.running()
+        assert not ProcState((child.pid, start + 1)).running()  # not that process
+        os.kill(child.pid, signal.SIGSTOP)
+        assert wait_until(lambda: not state.running(), 10, 0.01)
+        os.kill(child.pid, signal.SIGCONT)
+        assert wait_until(state.running, 10, 0.01)
+        child.kill()
+        child.wait(TIMEOUT)
+        assert not state.running()
+        state.close()
+    finally:
+        child.kill()
+        child.wait(TIMEOUT)
+
+
+def test_a_fetch_waits_for_a_quiet_rank_whose_worker_was_stopped():
+    """SIGSTOP the worker of a quiet rank (one that had answered its last barrier): the relay asks it instead of
+    answering for it, so the next fetch at the other rank times out naming the stopped rank, as a fetch does with
+    a stopped worker (tests/test_failures.py), instead of returning a value."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=50) as cluster:
+        with Client(cluster) as client:
+            _fetch_past_a_stopped_rank(client)
+
+
+def _fetch_past_a_stopped_rank(client) -> None:
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    with mesh.activate():
+        x = mesh.rank("dp") + torch.zeros(2)
+    for _ in range(3):
+        assert dm.inspect(x, dp=0).tolist() == [0.0, 0.0]  # rank 1 quiet
+    victim = mesh._session.workers[1]
+    victim_pid = client.run(os.getpid, workers=[victim])[victim]
+    sigstop(victim_pid)
+    try:
+        with pytest.raises(TimeoutError, match=rf"rank 1 \({victim}\)"):
+            dm.fetch_shard(x, dp=0).result(timeout=3)
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    mesh.exit()

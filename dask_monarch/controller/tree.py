@@ -98,7 +98,8 @@ async def _ask_host(client, session, ranks: list[int], offers: dict, timeout: fl
         if not isinstance(answer, dict) or "ready" not in answer:
             return {"refused": f"the sub-relay of ranks {group} on rank {group[0]} ({session.workers[group[0]]}) "
                                f"answered {answer!r}"}
-        children[group[0]] = {"offer": answer["ready"], "ranks": group}
+        children[group[0]] = {"offer": answer["ready"], "ranks": group,
+                              "procs": [offers[r].get("proc") for r in group]}  # ``worker/proc_state.py``
     return await _ask_relay(client, session, own, offers, timeout, children)
 
 

@@ -162,18 +162,19 @@ class SocketInbox:
     def noted(self, entries: list) -> None:
         """``entries``: ``[(batch_seq, seq), ...]``, batches that were a lone ``RequestStatus{seq}`` which this rank's
         host relay answered for it (the rank had run all it was sent before: ``worker/relay.py``, "Quiet ranks") and
-        hands over later. Each is applied here as ``put`` would, without reporting the ``Status`` again; a rank
-        that is not idle after all takes it the ordinary way (its ``Status`` then goes to the relay, which keeps
-        the highest)."""
+        hands over later. Each is applied here as ``put`` would; only the last one's ``Status`` is reported, which
+        tells the relay that the rank is still there (``relay.QUIET_HEARD``). A rank that is not idle after all takes
+        it the ordinary way (its ``Status`` then goes to the relay, which keeps the highest)."""
         tw = self._tw()
-        for batch_seq, seq in entries:
+        last = len(entries) - 1
+        for i, (batch_seq, seq) in enumerate(entries):
             msg = RequestStatus(seq, False)
             if tw is not None and tw.failure is None and not tw.closed \
                     and self.inbox.take_idle(batch_seq, lambda: _idle(tw)):
                 tw.received += 1
                 tw.current = msg
                 self.noted_count += 1
-                tw.emit_status(seq, report=False)
+                tw.emit_status(seq, report=i == last)
             else:
                 self.inbox.put(batch_seq, [pickle.dumps([msg], protocol=5)])
 

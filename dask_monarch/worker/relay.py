@@ -29,17 +29,8 @@ what waited before it. Nothing is acknowledged: a relayed rank's outbox keeps no
 the relay is the only way its answers travel and the controller fails the session when the relay's sockets break
 (its worker died), naming the leader's worker, instead of looking elsewhere for them.
 
-Quiet ranks. A fetch sends ``RequestStatus{seq}`` to every rank, and most ranks have nothing else to do for it
-(spec §1 "Fetch"). For a flush that ends with ``RequestStatus{seq}``, the controller's frame says which ranks get
-more than that (``"q": (seq, busy)``; ``busy`` None: every rank). The relay answers the barrier itself for a rank
-that gets nothing else and has passed everything it was sent (its last batch ended with a ``RequestStatus`` that
-it answered, and its sockets are up): by the barrier's rule (spec §2) that rank would answer ``Status{seq + 1}`` at
-once, and nothing can reach its streams but through this relay. The relay counts it as passed, and hands the
-batch to the rank later, in order, as ``{"d": [(batch, seq), ...]}`` (``SocketInbox.noted``: applied without a
-second ``Status``): before the rank's next batch, or within ``QUIET_DELAY`` seconds. So consecutive fetches at a
-mesh wake the fetched rank and the relays only, not every rank per fetch; a sub-relay all of whose ranks are quiet
-is answered for the same way (its ``"d"`` lists ``(rank, batch, seq)``), and a rank that is busy, or that the relay
-(or the sub-relay: its ``("l", rank, why)``) lost, is asked as before.
+Quiet ranks: a host relay answers a fetch's barrier itself for the ranks that have nothing else to do
+(``worker/quiet.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +45,8 @@ import time
 from ..protocol import FetchResult, Status, tensor_bytes
 from ..protocol.frames import FrameReader, connect_pair, send_frame, shutdown
 from ..protocol.session_id import session_tag
+from .proc_state import ProcState
+from .quiet import NEVER, QUIET_DELAY, QuietRanks
 from .sockets import SEND_TIMEOUT, SocketEnd
 
 __all__ = ["HostRelay", "RELAY_OP"]
@@ -66,10 +59,6 @@ RELAY_OP = "monarch_relay"
 CONNECT_TIMEOUT = 10.0
 _HELD = (Status, FetchResult)
 _STATUS = frozenset({Status})
-#: seconds a quiet rank's barrier that the relay answered may wait before it is handed to the rank (the module's
-#: docstring): a Dask task copy of it (``sync_batch``) and the dashboard's view of the rank wait that long at most
-QUIET_DELAY = 0.025
-_NEVER = float("inf")  # what a rank must pass after a batch without a barrier: it is not quiet before its next one
 #: the last entry of what a relay sends at once (not held for the host's minimum): a sub-relay's parent sends it on
 #: at once too (``HostRelay.below``); the controller ignores it
 _AT_ONCE = ("!",)
@@ -79,15 +68,19 @@ class _RankLink:
     """The relay's connection to one local rank's answer sockets (the controller's end, ``controller/sockets.py``):
     the down socket is written by the relay's fan-out, the up socket read by its one fan-in thread (non-blocking)."""
 
-    def __init__(self, relay, rank: int, offer: dict, ssl_context, ranks: list | None = None):
+    def __init__(self, relay, rank: int, offer: dict, ssl_context, ranks: list | None = None,
+                 procs: list | None = None):
         self.rank = rank  # the rank, or a sub-relay's leader
         self.ranks = ranks  # a sub-relay's ranks; None for a rank
+        # the processes of the rank (a sub-relay's ranks': ``procs``, their offers' "proc"): quiet only while they run
+        self.procs = [ProcState(p) for p in ([offer.get("proc")] if ranks is None else procs or [None])]
         self.done: set = set()  # the ranks of a sub-relay whose session ended (their ("x", rank, seq) came)
         self.lost_ranks: set = set()  # the ranks a sub-relay lost (their ("l", rank, why) came): it is never quiet
         self.down, self.up = connect_pair(offer, ssl_context, CONNECT_TIMEOUT)
         self.lock = threading.Lock()  # writes on the down socket
         self.ended = False
         self.alive = True  # its sockets are up (not yet ended or closed)
+        self.heard = -NEVER  # when a frame of it was read last (``time.monotonic``)
         if ranks is None:  # the rank's answers go through a relay: its tasks return none (``Outbox.for_task``)
             self.send({"r": True})
         self.up.setblocking(False)
@@ -182,7 +175,7 @@ class _RelayOutbox:
         pass  # nothing is pushed again: a lost relay fails the session at the controller
 
 
-class HostRelay:
+class HostRelay(QuietRanks):
     """The relay of session ``session_id`` on this host's leader (rank ``leader``): ``offers`` is ``{rank: offer}``
     of the host's ranks' answer sockets (``worker/sockets.py``), ``host`` where to listen for the controller,
     ``ssl_context`` the worker's listening context and ``client_ssl`` its connecting one (TLS when the cluster uses
@@ -201,9 +194,9 @@ class HostRelay:
         self._passed = {rank: 0 for rank in [*offers, *(children or {})]}  # each rank's (sub-relay's) last seq
         self._low = 0  # the last ("s", seq) sent
         self._held: list = []  # entries waiting for the next ("s", seq)
-        # the Status each must report to count as quiet (the module's docstring): none before it answered a barrier
+        # the Status each must report to count as quiet (``quiet.py``): none before it answered a barrier
         # that came through here (batches sent before the relay started went another way)
-        self._need = dict.fromkeys(self._passed, _NEVER)
+        self._need = dict.fromkeys(self._passed, NEVER)
         self._deferred: dict = {}  # link -> barriers answered here, not yet handed to it
         self._due: float | None = None  # when they are handed over at the latest
         self._fan_out = threading.Lock()  # one writer of the ranks' batches at a time (a flush, or a hand-over)
@@ -219,13 +212,15 @@ class HostRelay:
             for rank in sorted(offers):
                 self.links[rank] = _RankLink(self, rank, offers[rank], client_ssl)
             for rank, child in sorted((children or {}).items()):
-                link = self.children[rank] = _RankLink(self, rank, child["offer"], client_ssl, list(child["ranks"]))
+                link = self.children[rank] = _RankLink(self, rank, child["offer"], client_ssl, list(child["ranks"]),
+                                                       child.get("procs"))
                 self._child_of.update(dict.fromkeys(link.ranks, link))
             self.end = SocketEnd(session_id, leader, _RelayInbox(self), self.outbox, host, ssl_context,
                                  self._controller_lost, limit)
         except BaseException:
             for link in [*self.links.values(), *self.children.values()]:
                 link.end()
+            self._close_procs()
             self._wake_in.close()
             self._wake_out.close()
             raise
@@ -241,7 +236,7 @@ class HostRelay:
         go first (the longest way down), then the other ranks, and the leader's own rank last (its worker's threads
         would otherwise take this process's GIL while the others are still being written). ``quiet``: ``(seq,
         busy)`` for a flush that ends with ``RequestStatus{seq}``, whose barrier is answered here for the quiet
-        ranks and sub-relays (the module's docstring)."""
+        ranks and sub-relays (``quiet.py``)."""
         below: dict = {}
         own = []
         for rank, batch, indices in batches:
@@ -271,73 +266,6 @@ class HostRelay:
                     pass
         if out:
             self.outbox.wake()
-
-    def _answer_quiet(self, frames: list, seq: int | None, busy) -> list | None:
-        """Under the fan-out lock, before ``frames`` (``[(link, msg)]``) are written: what each link must pass to
-        count as quiet after them, and the barriers answered here, whose ``msg`` becomes None (kept for a later
-        ``_hand_over``). Returns None if none was answered here, else what went to the controller (maybe ``[]``)."""
-        need = _NEVER if seq is None else seq + 1
-        busy = None if busy is None else set(busy)
-        answered = False
-        with self._lock:
-            for i, (link, msg) in enumerate(frames):
-                key = link.rank
-                if busy is not None and link.alive and not link.ended and self._passed[key] >= self._need[key] \
-                        and (key not in busy if link.ranks is None
-                             else len(msg["b"]) == len(link.ranks) and busy.isdisjoint(link.ranks)
-                             and not link.lost_ranks and not link.done):
-                    entries = [(msg["b"], seq)] if link.ranks is None else [(r, b, seq) for r, b, _ in msg["b"]]
-                    self._deferred.setdefault(link, []).extend(entries)
-                    self._passed[key] = max(self._passed[key], need)
-                    frames[i] = (link, None)
-                    answered = True
-                self._need[key] = need
-            if not answered:
-                return None
-            low = min(self._passed.values())
-            if low <= self._low:
-                return []
-            self._low = low
-            self._held.append(("s", low))
-            out, self._held = self._held, []
-            self.outbox.extend(out)
-            return out
-
-    def _hand_over(self, link: _RankLink) -> None:
-        """Under the fan-out lock: hand ``link`` the barriers answered for it (``{"d": [...]}``)."""
-        entries = self._deferred.pop(link, None)
-        if entries:
-            self._send(link, {"d": entries})
-
-    def _hand_over_all(self) -> None:
-        """On the fan-in thread, at ``QUIET_DELAY`` after a barrier was answered here: hand every link its own; if
-        a flush is being written meanwhile (a stopped rank may hold it up to ``SEND_TIMEOUT``), later, so that this
-        thread goes on reading the answers."""
-        if not self._fan_out.acquire(blocking=False):
-            self._due = time.monotonic() + QUIET_DELAY
-            return
-        try:
-            self._due = None
-            for link in list(self._deferred):
-                self._hand_over(link)
-        finally:
-            self._fan_out.release()
-
-    def noted(self, entries: list) -> None:
-        """On a sub-relay: ``entries`` (``[(rank, batch, seq)]``), barriers that the host relay answered for its
-        ranks, handed to each rank at once (the host relay waited already)."""
-        per_link: dict = {}
-        for rank, batch, seq in entries:
-            link = self.links.get(rank)
-            if link is not None:
-                per_link.setdefault(link, []).append((batch, seq))
-            elif rank in self._child_of:
-                per_link.setdefault(self._child_of[rank], []).append((rank, batch, seq))
-        with self._fan_out:
-            for link, items in per_link.items():
-                if link in self._deferred:
-                    self._hand_over(link)
-                self._send(link, {"d": items})
 
     def _send(self, link: _RankLink, msg: dict) -> None:
         try:
@@ -373,6 +301,8 @@ class HostRelay:
                                 link.reader.read(frames)
                             except Exception as e:  # closed (the rank's session ended, or ``close()``) or broken
                                 why = f"{type(e).__name__}: {e}"
+                            if frames:
+                                link.heard = time.monotonic()
                             for msg in frames:
                                 if "x" in msg:
                                     link.ended = True
@@ -398,6 +328,7 @@ class HostRelay:
                         self._hand_over_all()
         finally:  # every rank's sockets closed (or a bug here): the relay ends, the controller hears it
             self.close()
+            self._close_procs()
             self._wake_in.close()
             self._wake_out.close()
 

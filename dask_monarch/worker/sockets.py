@@ -39,6 +39,7 @@ import time
 from ..protocol.frames import ACCEPTED, DOWN, TOKEN_BYTES, UP, recv_frame, send_frame, shutdown
 from ..protocol.session_id import session_tag
 from .gloo import LISTENING
+from .proc_state import identity
 
 __all__ = ["SocketEnd", "ACCEPT_TIMEOUT", "MAX_PENDING", "SEND_TIMEOUT", "TOKEN_TIMEOUT"]
 
@@ -71,7 +72,7 @@ class SocketEnd:
             self._listener = socket.create_server((host, 0), family=family)
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self.offer = {"host": host, "port": self._listener.getsockname()[1], "token": self._token,
-                      "tls": ssl_context is not None}
+                      "tls": ssl_context is not None, "proc": identity()}  # "proc": for a relay (``proc_state.py``)
         self._down: socket.socket | None = None
         self._up: socket.socket | None = None
         self._lock = threading.Lock()  # writes on the up socket
