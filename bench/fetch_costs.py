@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         cluster.close()
     times.sort()
     each = {"fetch": "fetch", "step": "step", "op": "op"}[args.loop]
-    print(f"bench/fetch_costs.py: {args.ranks} ranks, {n} {each}s in {args.seconds:.0f} s ({os.cpu_count()} cores, "
+    print(f"bench/fetch_costs.py: {args.ranks} ranks, {n} {each}{'es' if each == 'fetch' else 's'} in {args.seconds:.0f} s ({os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}): p50 {statistics.median(times) * 1e3:.3f} ms, "
           f"p90 {times[int(len(times) * 0.9)] * 1e3:.3f} ms" + (" (a thousand ops and a fetch)" if each == "op" else ""))
     print(f"process CPU per {each} (us): " + ", ".join(f"{k} {(total1[k] - total0[k]) / n * 1e6:.0f}" for k in total1))
@@ -156,7 +156,7 @@ def main(argv=None) -> None:
         for cpu, sw, net_cpu, net_sw, name in rows[:12]:
             print(f"    {name[:44]:<44} {cpu:8.1f} {sw:6.2f}   {net_cpu:8.1f} {net_sw:6.2f}")
     if strace_out:
-        print(f"  rank's syscalls over {n} {each}s (strace -c -f; per {each} = calls / {n}):")
+        print(f"  rank's syscalls over {n} {each}{'es' if each == 'fetch' else 's'} (strace -c -f; per {each} = calls / {n}):")
         for line in strace_out.splitlines():
             parts = line.split()
             if len(parts) >= 5 and parts[3].isdigit():
