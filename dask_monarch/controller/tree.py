@@ -220,6 +220,10 @@ class HostLink(SocketLink):
     def _rank_lost(self, rank: int, why: str) -> None:
         session = self.channels.session
         if session.failure is None and not session.closed and rank not in self.channels.ended:
+            closed = session._client_closed()  # the program closed its Client: the scheduler ended the session
+            if closed:
+                session._fail(SessionError(f"session {session.id}: {closed}"))
+                return
             relay = self.sub_relay.get(rank, self.rank)
             kind = "sub-relay" if relay != self.rank else "host's relay"
             session._fail(SessionError(
@@ -233,7 +237,9 @@ class HostLink(SocketLink):
         that a rank's sockets broke (``"l"``), that rank is the news and the relay's end came after it: the error names
         that rank (``_rank_lost``), even though the relay closed before the grace ended or the scheduler's report
         came. Where the scheduler already sees workers of the session shutting down, restarted or gone (a cluster
-        restart closes every relay too), that leads the error, as liveness would say it."""
+        restart closes every relay too), that leads the error, as liveness would say it; where the program closed the
+        session's Client (the scheduler then ends the session on its workers, relays included), that is the error,
+        here and in ``_rank_lost``."""
         channels = self.channels
         if channels._closing or all(r in channels.ended for r in self.ranks):
             return
@@ -243,6 +249,10 @@ class HostLink(SocketLink):
                                      f"{type(error).__name__}: {error}")
             return
         session = channels.session
+        closed = session._client_closed()
+        if closed:
+            session._fail(SessionError(f"session {session.id}: {closed}"))
+            return
         relay = (f"the relay of ranks {self.ranks} on rank {self.rank} ({session.workers[self.rank]}) closed "
                  f"({type(error).__name__}: {error})")
         departed = session._departed()
