@@ -70,7 +70,7 @@ class QuietRanks:
             self.outbox.extend(out)
             return out
 
-    def _hand_over(self, link: _RankLink) -> None:
+    def _hand_over(self, link) -> None:
         """Under the fan-out lock: hand ``link`` the barriers answered for it (``{"d": [...]}``)."""
         entries = self._deferred.pop(link, None)
         if entries:
