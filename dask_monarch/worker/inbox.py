@@ -12,7 +12,7 @@ import pickle
 import threading
 import weakref
 
-from ..protocol import ProtocolError, RequestStatus
+from ..protocol import DeleteRefs, ProtocolError, RequestStatus
 from .errors import FatalError
 
 __all__ = ["Inbox", "SocketInbox", "load_segment"]
@@ -62,9 +62,11 @@ class Inbox:
         self._next = 0
         self._closed = False
         self._active = False  # the dispatcher took a batch and has not said ``done`` yet
+        self._taken = False  # another thread took a batch (``take``) and has not said ``release`` yet
 
     def put(self, batch_seq: int, segments: list) -> bool:
-        """Accept batch ``batch_seq`` (a list of segments, ``protocol/batch.py``). Returns False for a duplicate, and
+        """Accept batch ``batch_seq`` (a list of segments, ``protocol/batch.py``: pickled bytes, stream segments, or
+        lists of messages ``SocketInbox`` already opened). Returns False for a duplicate, and
         for ``segments`` None: a receipt, the task copy of a batch that travels on its host's relay alone
         (``controller/transport.py``)."""
         if segments is None:
@@ -80,7 +82,7 @@ class Inbox:
     def get(self) -> list | None:
         """Block until the next batch in order is here and return it, or None once closed."""
         with self._cond:
-            while self._next not in self._pending and not self._closed:
+            while (self._taken or self._next not in self._pending) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
@@ -99,10 +101,29 @@ class Inbox:
         next one in order, none is waiting, the dispatcher is not applying one and ``idle()`` (called under this
         inbox's lock, so the dispatcher cannot start meanwhile) says so. Returns whether it was taken."""
         with self._cond:
-            if self._closed or self._active or self._pending or batch_seq != self._next or not idle():
+            if self._closed or self._active or self._taken or self._pending or batch_seq != self._next \
+                    or not idle():
                 return False
             self._next += 1
             return True
+
+    def take(self, batch_seq: int) -> bool:
+        """Take batch ``batch_seq`` out of turn, for the caller to apply itself in the dispatcher's place
+        (``SocketInbox``): only if it is the next one in order, none is waiting and the dispatcher is not applying
+        one. Until ``release()``, the dispatcher takes no batch. Returns whether it was taken."""
+        with self._cond:
+            if self._closed or self._active or self._taken or self._pending or batch_seq != self._next:
+                return False
+            self._next += 1
+            self._taken = True
+            return True
+
+    def release(self) -> None:
+        """The caller of ``take`` has applied its batch: the dispatcher may take the next one."""
+        with self._cond:
+            self._taken = False
+            if self._next in self._pending:
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -119,8 +140,9 @@ class Inbox:
         return len(self._pending)
 
 
-#: the most bytes of a segment that ``SocketInbox`` looks into (a lone ``RequestStatus`` pickles to about 75)
-_SMALL = 160
+#: the most bytes of a segment that ``SocketInbox`` opens (a lone ``RequestStatus`` pickles to about 75 bytes, a
+#: ``DeleteRefs`` of a few refs to a few hundred)
+_SMALL = 2048
 
 
 class SocketInbox:
@@ -130,34 +152,47 @@ class SocketInbox:
     being applied, and every stream has run all that was handed to it): ``Status{seq + 1}`` is emitted from the
     reader thread, which writes it on the up socket, instead of the dispatcher's and a stream's thread each waking
     up for it in turn. What it answers is what the barrier would (spec §2: every stream has run what was queued
-    before); any other batch, or a busy rank, takes the ordinary way. Profiled at 8 ranks on 2 cores
-    (``bench/fetch_costs.py``, docs/benchmarks.md): the two hand-offs cost a plain rank about 90 us of CPU and two
-    wake-ups a fetch. ``answered`` counts the batches answered here. It holds the tensor worker weakly."""
+    before). Profiled at 8 ranks on 2 cores (``bench/fetch_costs.py``, docs/benchmarks.md): the two hand-offs cost
+    a plain rank about 90 us of CPU and two wake-ups a fetch.
+
+    Likewise a batch that only hands work to streams (stream segments, which their threads open, and lone
+    ``RequestStatus`` barriers: a training step's ops and its loss's fetch), when the dispatcher is not applying one
+    and none is waiting, is handed to the streams right here (``TensorWorker.enqueue_batch``, holding the inbox with
+    ``Inbox.take``): the dispatcher's wake-up is saved. Any other batch (its messages may block, or create streams)
+    takes the ordinary way, in order. ``answered`` and ``enqueued`` count the batches answered and handed over
+    here. It holds the tensor worker weakly."""
 
     def __init__(self, tensor_worker):
         self.inbox = tensor_worker.inbox
         self._tw = weakref.ref(tensor_worker)
         self.answered = 0
+        self.enqueued = 0  # batches handed to the streams here, in the dispatcher's place
         self.noted_count = 0  # batches its host relay answered (``noted``)
 
     def put(self, batch_seq: int, segments: list) -> bool:
-        if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) <= _SMALL \
-                and b"RequestStatus" in segments[0]:
-            tw = self._tw()
-            if tw is not None and tw.failure is None and not tw.closed:
-                try:
-                    messages = load_segment(segments[0])
-                except Exception:  # the dispatcher reports it, in order
-                    messages = ()
-                if len(messages) == 1 and type(messages[0]) is RequestStatus \
-                        and self.inbox.take_idle(batch_seq, lambda: _idle(tw)):
-                    msg = messages[0]
-                    tw.received += 1
-                    tw.current = msg
-                    self.answered += 1
-                    tw.emit_status(msg.seq, msg.controller)
-                    return True
-        return self.inbox.put(batch_seq, segments)
+        tw = self._tw()
+        if tw is None or tw.failure is not None or tw.closed:
+            return self.inbox.put(batch_seq, segments)
+        opened = _open_small(segments)
+        if opened is None:  # a message for the dispatcher itself: the ordinary way
+            return self.inbox.put(batch_seq, segments)
+        if len(opened) == 1 and len(opened[0]) == 1 and type(opened[0][0]) is RequestStatus \
+                and self.inbox.take_idle(batch_seq, lambda: _idle(tw)):
+            msg = opened[0][0]
+            tw.received += 1
+            tw.current = msg
+            self.answered += 1
+            tw.emit_status(msg.seq, msg.controller)
+            return True
+        if not all(type(m) in _ENQUEUE_ONLY for part in opened if type(part) is list for m in part) \
+                or not self.inbox.take(batch_seq):  # needs the dispatcher, or it is busy, or a batch is waiting
+            return self.inbox.put(batch_seq, opened)  # the dispatcher does not open them again
+        try:
+            tw.enqueue_batch(opened)
+        finally:
+            self.inbox.release()
+        self.enqueued += 1
+        return True
 
     def noted(self, entries: list) -> None:
         """``entries``: ``[(batch_seq, seq), ...]``, batches that were a lone ``RequestStatus{seq}`` which this rank's
@@ -176,7 +211,32 @@ class SocketInbox:
                 self.noted_count += 1
                 tw.emit_status(seq, report=i == last)
             else:
-                self.inbox.put(batch_seq, [pickle.dumps([msg], protocol=5)])
+                self.inbox.put(batch_seq, [[msg]])  # opened: the dispatcher applies it as it is
+
+
+#: messages whose handlers only enqueue on the streams (never block, create nothing): ``SocketInbox`` applies a batch
+#: of these and stream segments on its own thread
+_ENQUEUE_ONLY = (RequestStatus, DeleteRefs)
+
+
+def _open_small(segments: list) -> list | None:
+    """``segments`` with every small one (at most ``_SMALL`` bytes) that holds a barrier or a deletion (which pickles
+    as ``protocol/wire_forms.delete_refs_from_wire``) opened into its list of messages (the dispatcher takes such
+    lists as they are), or None if a segment is left that only the dispatcher should open (a larger one, or a run
+    of other messages). Stream segments (tuples) stay as they are."""
+    out = []
+    for segment in segments:
+        if type(segment) is bytes:
+            if len(segment) > _SMALL or (b"RequestStatus" not in segment and b"delete_refs" not in segment):
+                return None
+            try:
+                segment = load_segment(segment)
+            except Exception:  # the dispatcher reports it, in order
+                return None
+        elif type(segment) is not tuple:
+            return None
+        out.append(segment)
+    return out
 
 
 def _idle(tw) -> bool:

@@ -4,7 +4,9 @@
 Batches arrive through the ``Inbox`` in the controller's order. One dispatcher thread unpickles them and applies
 each message with the handler named after it (``CallFunction`` -> ``call_function``, ...); a segment of messages
 that all run on one stream goes to that stream unopened (``protocol/batch.py``). Handlers that belong to
-a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. Answers for the
+a stream only enqueue on that ``StreamWorker``; the dispatcher itself waits only for comm setup. A batch that only
+hands work to streams (stream segments and barriers) is applied by the answer sockets' reader thread instead when
+the dispatcher is idle (``enqueue_batch``; ``worker/inbox.py``), one wake-up fewer. Answers for the
 controller (``RemoteFunctionFailed``, ``FetchResult``, ``Status``, ...) collect in the outbox
 (``worker/outbox.py``), which the session's answer channel pushes and the ``sync_batch`` tasks take.
 """
@@ -20,38 +22,11 @@ from collections import deque
 import torch
 
 from ..protocol import (
-    BackendNetworkInit,
-    BackendNetworkPointToPointInit,
-    BorrowCreate,
-    BorrowDrop,
-    BorrowFirstUse,
-    BorrowLastUse,
-    CallActorMethod,
-    CallFunction,
-    CallRecording,
-    CommandGroup,
-    CreateDeviceMesh,
-    CreateRemoteProcessGroup,
-    CreateStream,
-    DefineRecording,
-    DeleteRefs,
-    Exit,
-    GetRefUnitTestsOnly,
-    PipeRecv,
-    RecordingFormal,
-    RecordingResult,
-    Reduce,
-    RequestStatus,
-    SendResultOfActorCall,
-    SendTensor,
-    SendValue,
-    SessionFailed,
-    SetRefUnitTestsOnly,
-    SplitComm,
-    SplitCommForProcessGroup,
-    Status,
-    StreamRef,
-    WorkerError,
+    BackendNetworkInit, BackendNetworkPointToPointInit, BorrowCreate, BorrowDrop, BorrowFirstUse, BorrowLastUse,
+    CallActorMethod, CallFunction, CallRecording, CommandGroup, CreateDeviceMesh, CreateRemoteProcessGroup,
+    CreateStream, DefineRecording, DeleteRefs, Exit, GetRefUnitTestsOnly, PipeRecv, RecordingFormal, RecordingResult,
+    Reduce, RequestStatus, SendResultOfActorCall, SendTensor, SendValue, SessionFailed, SetRefUnitTestsOnly, SplitComm,
+    SplitCommForProcessGroup, Status, StreamRef, WorkerError,
 )
 from ..protocol.session_id import session_tag
 from .actors import ActorCallStep
@@ -200,7 +175,7 @@ class TensorWorker(CommHandlers):
                     if type(segment) is tuple:  # (stream id, count, bytes): for that stream's thread to open
                         self.stream_segment(*segment)
                         continue
-                    messages = load_segment(segment)
+                    messages = segment if type(segment) is list else load_segment(segment)  # opened: SocketInbox
                     self.received += len(messages)
                     self.apply(messages)
                     if self.closed:
@@ -215,6 +190,27 @@ class TensorWorker(CommHandlers):
                 self.inbox.done()
         if self.failure is not None:
             self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
+
+    def enqueue_batch(self, segments: list) -> None:
+        """Apply, on the calling thread (the answer sockets' reader: ``SocketInbox``) and in the dispatcher's place, a
+        batch that only hands work to the streams: stream segments (tuples) and lists of messages whose handlers only
+        enqueue on the streams (``RequestStatus``, ``DeleteRefs``). The caller holds the inbox (``Inbox.take``), so
+        the dispatcher applies nothing meanwhile. A fatal error fails the session as in the dispatcher."""
+        if self.failure is not None or self.closed:
+            return
+        try:
+            for segment in segments:
+                if type(segment) is tuple:
+                    self.stream_segment(*segment)
+                else:
+                    self.received += len(segment)
+                    self.apply(segment)
+        except FatalError as e:
+            self.fail(str(e))
+        except Exception:
+            self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
+        finally:
+            self.flush_streams()
 
     def apply(self, messages) -> None:
         """Apply ``messages`` (validated: unpickled through their constructors) in order. Something that is not a
