@@ -195,9 +195,12 @@ class TensorWorker(CommHandlers):
         """Apply, on the calling thread (the answer sockets' reader: ``SocketInbox``) and in the dispatcher's place, a
         batch that only hands work to the streams: stream segments (tuples) and lists of messages whose handlers only
         enqueue on the streams (``RequestStatus``, ``DeleteRefs``). The caller holds the inbox (``Inbox.take``), so
-        the dispatcher applies nothing meanwhile. A fatal error fails the session as in the dispatcher."""
+        the dispatcher applies nothing meanwhile. A fatal error fails the session as in the dispatcher. The calling
+        thread is pinned to the rank's device first, as the dispatcher is: a deletion may free a recording's CUDA
+        graphs here."""
         if self.failure is not None or self.closed:
             return
+        pin(self.device)
         try:
             for segment in segments:
                 if type(segment) is tuple:
@@ -207,7 +210,7 @@ class TensorWorker(CommHandlers):
                     self.apply(segment)
         except FatalError as e:
             self.fail(str(e))
-        except Exception:
+        except BaseException:
             self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
         finally:
             self.flush_streams()
