@@ -100,22 +100,21 @@ class Inbox:
         """Take batch ``batch_seq`` out of turn, for the caller to apply itself (``SocketInbox``): only if it is the
         next one in order, none is waiting, the dispatcher is not applying one and ``idle()`` (called under this
         inbox's lock, so the dispatcher cannot start meanwhile) says so. Returns whether it was taken."""
-        with self._cond:
-            if self._closed or self._active or self._taken or self._pending or batch_seq != self._next \
-                    or not idle():
-                return False
-            self._next += 1
-            return True
+        return self._take(batch_seq, idle, hold=False)
 
     def take(self, batch_seq: int) -> bool:
         """Take batch ``batch_seq`` out of turn, for the caller to apply itself in the dispatcher's place
         (``SocketInbox``): only if it is the next one in order, none is waiting and the dispatcher is not applying
         one. Until ``release()``, the dispatcher takes no batch. Returns whether it was taken."""
+        return self._take(batch_seq, None, hold=True)
+
+    def _take(self, batch_seq: int, idle, hold: bool) -> bool:
         with self._cond:
-            if self._closed or self._active or self._taken or self._pending or batch_seq != self._next:
+            if self._closed or self._active or self._taken or self._pending or batch_seq != self._next \
+                    or (idle is not None and not idle()):
                 return False
             self._next += 1
-            self._taken = True
+            self._taken = hold
             return True
 
     def release(self) -> None:

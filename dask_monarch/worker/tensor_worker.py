@@ -171,49 +171,46 @@ class TensorWorker(CommHandlers):
                 continue
             self.busy = True
             try:
-                for segment in segments:
-                    if type(segment) is tuple:  # (stream id, count, bytes): for that stream's thread to open
-                        self.stream_segment(*segment)
-                        continue
-                    messages = segment if type(segment) is list else load_segment(segment)  # opened: SocketInbox
-                    self.received += len(messages)
-                    self.apply(messages)
-                    if self.closed:
-                        return
-            except FatalError as e:
-                self.fail(str(e))
-            except BaseException:
-                self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
+                if not self.apply_batch(segments):
+                    return
             finally:
                 self.busy = False
-                self.flush_streams()
                 self.inbox.done()
         if self.failure is not None:
             self.close(join_timeout=1.0)  # a failed session stops here and frees its streams, refs and comms
 
-    def enqueue_batch(self, segments: list) -> None:
-        """Apply, on the calling thread (the answer sockets' reader: ``SocketInbox``) and in the dispatcher's place, a
-        batch that only hands work to the streams: stream segments (tuples) and lists of messages whose handlers only
-        enqueue on the streams (``RequestStatus``, ``DeleteRefs``). The caller holds the inbox (``Inbox.take``), so
-        the dispatcher applies nothing meanwhile. A fatal error fails the session as in the dispatcher. The calling
-        thread is pinned to the rank's device first, as the dispatcher is: a deletion may free a recording's CUDA
-        graphs here."""
-        if self.failure is not None or self.closed:
-            return
-        pin(self.device)
+    def apply_batch(self, segments: list) -> bool:
+        """Apply one batch's ``segments`` in order: a stream segment (a tuple: stream id, count, bytes) goes to that
+        stream unopened, for its thread to open; pickled bytes are opened here; a list is messages ``SocketInbox``
+        already opened. A fatal error fails the session. The streams are flushed at the end. Returns False if the
+        session closed meanwhile (an ``Exit``)."""
         try:
             for segment in segments:
                 if type(segment) is tuple:
                     self.stream_segment(*segment)
-                else:
-                    self.received += len(segment)
-                    self.apply(segment)
+                    continue
+                messages = segment if type(segment) is list else load_segment(segment)
+                self.received += len(messages)
+                self.apply(messages)
+                if self.closed:
+                    return False
         except FatalError as e:
             self.fail(str(e))
         except BaseException:
             self.fail(f"unexpected error in the dispatcher\n{traceback.format_exc()}")
         finally:
             self.flush_streams()
+        return True
+
+    def enqueue_batch(self, segments: list) -> None:
+        """``apply_batch`` on the calling thread (the answer sockets' reader: ``SocketInbox``), in the dispatcher's
+        place, for a batch that only hands work to the streams: stream segments and lists of messages whose handlers
+        only enqueue on the streams (``RequestStatus``, ``DeleteRefs``). The caller holds the inbox (``Inbox.take``),
+        so the dispatcher applies nothing meanwhile. The calling thread is pinned to the rank's device first, as the
+        dispatcher is: a deletion may free a recording's CUDA graphs here."""
+        if self.failure is None and not self.closed:
+            pin(self.device)
+            self.apply_batch(segments)
 
     def apply(self, messages) -> None:
         """Apply ``messages`` (validated: unpickled through their constructors) in order. Something that is not a
