@@ -209,6 +209,26 @@ def test_fetch_result_device(mesh2x2):
     assert torch.equal(on_cpu_local, torch.ones(2, 3))
 
 
+def test_a_fetched_value_reads_locally_under_activate(mesh2x2):
+    """A local tensor's ``detach`` stays local under ``activate()`` (dispatch.py), so ``.numpy()`` and ``np.asarray``
+    of a value fetched there give its values (made remote, numpy read memory never written); other ops on it are
+    still remote (spec §1), and a torch op whose result or output's shape depends on values raises a TypeError
+    naming the op instead of fake tensors' DataDependentOutputException."""
+    np = pytest.importorskip("numpy")
+    with mesh2x2.activate():
+        remote = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+        local = fetch(remote, host=1, gpu=0)
+        assert type(local.detach()) is torch.Tensor
+        assert local.numpy().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert np.asarray(local).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert isinstance(local + 1, dm.Tensor)
+        with pytest.raises(TypeError, match=r"aten\.equal\.default: its result depends on the tensors' values"):
+            torch.equal(remote, remote)
+        with pytest.raises(TypeError, match=r"aten\.nonzero\.default: its output's shape depends"):
+            torch.nonzero(remote)
+    assert torch.equal(local, torch.arange(6, dtype=torch.float64).reshape(2, 3))
+
+
 def test_torch_tensor(mesh2x2):
     with mesh2x2.activate():
         t = torch.tensor([1, 2, 4])

@@ -3,7 +3,9 @@
 * Every operation on a remote ``Tensor`` reaches ``Tensor.__torch_dispatch__`` and runs on its tensors' mesh.
 * Under ``mesh.activate()`` a ``TorchDispatchMode`` makes every other torch operation remote too, factories
   included (``torch.randn``, ``torch.zeros``, ``torch.arange``, ``nn.Linear``'s parameters), except profiler
-  bookkeeping and ``aten._local_scalar_dense`` / ``aten.set_.source_Storage_storage_offset`` on local tensors.
+  bookkeeping and ``aten._local_scalar_dense`` / ``aten.set_.source_Storage_storage_offset`` on local tensors,
+  and ``aten.detach`` of a local tensor (our decision, not Monarch's: it is how ``.numpy()``, ``np.asarray`` and
+  ``state_dict()`` read a local tensor, and made remote it left ``.numpy()`` reading memory never written).
   ``no_mesh.activate()`` runs torch locally again.
 
 Each operation is one ``CallFunction`` of the op's ``torch.ops`` path, with output shapes, strides and aliasing
@@ -36,7 +38,8 @@ __all__ = ["MeshDispatchMode", "assign_data", "operator_call", "run_op", "skip_d
 
 _aten = torch.ops.aten
 #: operations that stay local on local tensors even under an active mesh (spec §1)
-_LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset))
+_LOCAL_OPS = frozenset((_aten._local_scalar_dense.default, _aten.set_.source_Storage_storage_offset,
+                        _aten.detach.default))
 _LOCAL_NAMESPACES = frozenset(("profiler",))
 #: per ``OpOverload``: (``FunctionPath``, name, whether it runs on the controller when no remote tensor is among its
 #: arguments under an active mesh)

@@ -17,7 +17,7 @@ import sys
 import traceback
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..protocol import ArgsKwargs, CallFunction, PickledValue, Ref, StreamRef
@@ -213,6 +213,15 @@ def _fakes(leaves: list, session) -> list:
     return fakes
 
 
+def _on_values(name: str, failure: Exception) -> str:
+    """Why torch op ``name`` cannot run on the mesh: its result (``torch.equal``) or its output's shape
+    (``torch.nonzero``) depends on values the controller does not have."""
+    what = "result" if isinstance(failure, DataDependentOutputException) else "output's shape"
+    return (f"{name}: its {what} depends on the tensors' values, which are on the mesh, not on the controller: "
+            "fetch them (dask_monarch.inspect(t), fetch_shard(t).result()) and run it locally, outside "
+            "mesh.activate() or under dask_monarch.no_mesh.activate()")
+
+
 def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool, check: bool = False):
     """``call_on_mesh`` without a plan: check the arguments, run ``shapes`` on fakes (or, where that raises and
     ``learn``, learn the outputs on the mesh's first rank), record a plan if the call can be cached (``key``), and
@@ -235,6 +244,8 @@ def _call(function, name: str, shapes, args, kwargs, mesh, op, key, learn: bool,
                                                             [t._fake for t in inputs], written_inputs, op is not None)
         except Exception as e:
             if op is not None:  # a torch op: its own error, as torch gives it locally (a shape mismatch, a dtype)
+                if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+                    raise TypeError(_on_values(name, e)) from e
                 raise
             if not learn:
                 raise propagate_failed(e, name) from e
