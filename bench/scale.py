@@ -29,8 +29,13 @@ changes by the minute). Each figure is printed with its ratio against the smalle
 ``--relay-fanout 8,64`` the relays with each of those ``monarch.relay-fanout`` values side by side (64 ranks on one
 host: sub-relays of 8 ranks under the host's relay, against one relay of all 64).
 
+``--controller-cores K`` runs the controller (this program) and the scheduler on the first K physical cores and
+the workers on the rest (CPU affinity, inherited by every process the workers start), as on a cluster whose ranks
+are other machines: on one host where the workers' threads outnumber the cores, they take cores (and hardware
+threads of the same core) from the controller's thread, which the ``op`` and ``op CPU`` columns then include.
+
 Usage: ``python bench/scale.py [--ranks 1,2,4,8] [--fetches 300] [--ops 10000] [--rounds 10]
-[--answer-tree on|off|both] [--relay-fanout 8[,64...]] [--cpu-seconds 4]``.
+[--answer-tree on|off|both] [--relay-fanout 8[,64...]] [--cpu-seconds 4] [--controller-cores K]``.
 """
 
 from __future__ import annotations
@@ -63,14 +68,15 @@ class CliCluster:
     ``preload`` (a module, e.g. ``"dask_monarch"``), both started with ``--preload`` it (Dask's preload: the module is
     imported when the process starts, so the first attach does not wait for every worker's import of torch)."""
 
-    def __init__(self, n: int, preload: str | None = None):
+    def __init__(self, n: int, preload: str | None = None, scheduler_cpus=None, worker_cpus=None):
         self.dir = tempfile.mkdtemp(prefix="monarch-scale-")
         file = os.path.join(self.dir, "scheduler.json")
         quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        pinned = lambda cpus: {"preexec_fn": (lambda: os.sched_setaffinity(0, cpus))} if cpus else {}  # noqa: E731
         extra = ["--preload", preload] if preload else []
         self.scheduler = subprocess.Popen(_dask() + ["scheduler", "--host", "127.0.0.1", "--port", "0",
                                                       "--dashboard-address", ":0", "--scheduler-file", file]
-                                          + extra, **quiet)
+                                          + extra, **quiet, **pinned(scheduler_cpus))
         deadline = time.monotonic() + 60
         while not os.path.exists(file):
             if time.monotonic() > deadline or self.scheduler.poll() is not None:
@@ -79,7 +85,7 @@ class CliCluster:
         time.sleep(0.2)
         self.workers = subprocess.Popen(_dask() + ["worker", "--scheduler-file", file, "--nworkers", str(n),
                                                     "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
-                                        + extra, **quiet)
+                                        + extra, **quiet, **pinned(worker_cpus))
         self.client = Client(scheduler_file=file, set_as_default=False)
         self.client.wait_for_workers(n, timeout=180)
 
@@ -185,6 +191,30 @@ def _chain8(x):
     return x
 
 
+def split_cores(k: int) -> tuple[list, list]:
+    """The CPUs of the first ``k`` physical cores this process may use (every hardware thread of each, from
+    ``/sys/devices/system/cpu/cpu*/topology/thread_siblings_list``), and the CPUs of the other cores. Raises
+    ``SystemExit`` where ``k`` leaves no core for the workers."""
+    cores: dict = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                core = f.read().strip()
+        except OSError:
+            core = str(cpu)
+        cores.setdefault(core, []).append(cpu)
+    groups = list(cores.values())
+    if not 0 < k < len(groups):
+        raise SystemExit(f"--controller-cores {k}: this machine has {len(groups)} physical cores to split")
+    return sorted(c for g in groups[:k] for c in g), sorted(c for g in groups[k:] for c in g)
+
+
+def pin_this_process(cpus: list) -> None:
+    """Every thread of this process, and those it starts later, on ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="1,2,4,8", help="comma-separated rank counts (default 1,2,4,8)")
@@ -197,12 +227,20 @@ def main(argv=None) -> None:
                         help="comma-separated values of Dask config monarch.relay-fanout, side by side (default 8, the default of Dask config monarch.relay-fanout)")
     parser.add_argument("--cpu-seconds", type=float, default=4.0,
                         help="seconds of eager ops per mesh over which the scheduler's CPU is measured (default 4)")
+    parser.add_argument("--controller-cores", type=int, default=0,
+                        help="run this program (the controller) and the scheduler on the first K physical cores and "
+                             "the workers on the others, as on a cluster whose ranks are other machines (default 0: "
+                             "every process on every core)")
     args = parser.parse_args(argv)
+    controller_cpus, worker_cpus = split_cores(args.controller_cores) if args.controller_cores else (None, None)
+    if controller_cpus:
+        pin_this_process(controller_cpus)
+        print(f"controller and scheduler on CPUs {controller_cpus}, workers on CPUs {worker_cpus}", flush=True)
     counts = [int(v) for v in args.ranks.split(",")]
     fanouts = [int(v) for v in args.relay_fanout.split(",")]
     settings = [(tree, f) for tree in {"on": [True], "off": [False], "both": [False, True]}[args.answer_tree]
                 for f in (fanouts if tree else fanouts[:1])]
-    cluster = CliCluster(max(counts))
+    cluster = CliCluster(max(counts), scheduler_cpus=controller_cpus, worker_cpus=worker_cpus)
     cases = []
     try:
         scheduler = psutil.Process(cluster.scheduler.pid)
@@ -221,7 +259,8 @@ def main(argv=None) -> None:
         for case in cases:
             case.mesh.exit()
         cluster.close()
-    print(f"\nbench/scale.py ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
+    where = f", controller on {args.controller_cores} of its cores" if args.controller_cores else ""
+    print(f"\nbench/scale.py ({os.cpu_count()} cores{where}; load average {os.getloadavg()[0]:.1f}; {args.fetches} fetches, "
           f"{args.ops} ops per mesh in {args.rounds} rounds, the meshes in turn on one cluster of {max(counts)} "
           f"workers; ratios against the {counts[0]}-rank mesh of the same setting)")
     for tree, fanout in settings:
