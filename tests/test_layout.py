@@ -15,7 +15,7 @@ CONTROLLER = Path(__file__).resolve().parents[1] / "dask_monarch" / "controller"
 #: bottom to top: a module imports only modules before it
 ORDER = [
     # helpers of the session, and the session's concerns
-    "local", "dynamo_skip", "table", "debugger", "storage", "coalescing", "history", "task_keys", "propagation", "answers", "sockets", "tree", "channel", "future",
+    "local", "dynamo_skip", "table", "topics", "debugger", "storage", "coalescing", "history", "task_keys", "propagation", "answers", "sockets", "tree", "channel", "future",
     "security",
     "at_exit",
     "bookkeeping", "liveness", "transport",

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import dask
 import pytest
@@ -285,6 +287,30 @@ def test_tensors_and_meshes_used_after_exit_raise_session_closed(client1):
         with pytest.raises(dm.SessionError, match=r"is closed \(mesh.exit\(\) was called\)"):
             use()
     mesh.exit()  # a second exit is a no-op
+
+
+def test_a_session_s_end_drops_its_event_handler_and_nothing_keeps_the_session_alive(client1):
+    """``Client.unsubscribe_topic`` keeps the handler in the Client (distributed 2026.8.0): each session's
+    debugger handler kept the whole session (channels, answers, history, cached plans) for the Client's life,
+    about 0.4 MB of controller memory per session. After ``mesh.exit()`` no handler of the Client reaches it, and
+    no thread of the session runs on (its answers thread, waking from a gather, held it for up to 0.5 s)."""
+    before = set(client1._event_handlers)
+    mesh = dm.attach(client1, dims={"workers": 1}, comm_timeout=60)
+    session = mesh._session
+    topic = session.debugger.topic
+    assert client1._event_handlers[topic] == session.debugger._on_event
+    with mesh.activate():
+        x = torch.ones(3) + mesh.rank("workers")
+        assert dm.fetch_shard(x, workers=0).result(timeout=TIMEOUT).tolist() == [1.0, 1.0, 1.0]
+    mesh.exit()
+    ended = {t: h for t, h in client1._event_handlers.items() if t not in before}
+    assert topic in ended  # a no-op, for an event still in flight (Dask's _handle_event unsubscribes once more)
+    assert all(getattr(h, "__self__", None) is None for h in ended.values()), ended  # no bound method of the session
+    gone = weakref.ref(session)
+    assert not any(t.name.startswith(f"monarch-{session.tag}-") for t in threading.enumerate())
+    del mesh, session, x, ended
+    gc.collect()
+    assert gone() is None, [type(r).__qualname__ for r in gc.get_referrers(gone())]
 
 
 def test_interpreter_settings_are_held_while_sessions_run_and_restored_after(client2):

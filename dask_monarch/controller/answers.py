@@ -10,7 +10,9 @@ and the session's own ``monarch-<tag>-answers`` thread takes each finished task 
 (``Session._on_sync_done`` / ``_on_batch_done``), which reads the result through ``result``: ``Client.gather``
 runs on the event loop and is awaited here in slices of ``SLICE`` seconds, and given up (``AnswerLost``) as soon
 as the result is lost (the future's status leaves ``finished``: its worker died) or the session has failed or
-stopped. Only that session fails; the thread ends with the session (``stop``).
+stopped. Only that session fails; the thread ends with the session: ``stop`` wakes it (a gather it waits for
+included) and joins it, so that ``mesh.exit()`` returns with the thread gone and nothing of the session held by
+it.
 
 The answer chunks that the session's answer channels bring (``channel.py``, ``put_chunk``) are applied on the
 client's event loop as they arrive when that is cheap and cannot wait (``Session._chunk_inline``: a thread switch
@@ -21,7 +23,6 @@ under the session lock, with those that come in task results.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -48,6 +49,8 @@ class Answers:
 
     #: seconds between checks of a result being gathered (lost? session over?)
     SLICE = 0.5
+    #: seconds ``stop`` waits for the thread to end (it is woken at once; it ends unless applying an answer hangs)
+    JOIN_TIMEOUT = 10.0
 
     def __init__(self, session, tag: str):
         self._session = session
@@ -94,6 +97,15 @@ class Answers:
                 self._client.cancel(pending)
             except Exception:  # the client is closing: its tasks go with it
                 pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(self.JOIN_TIMEOUT)
+            if self.thread.is_alive():
+                logger.warning("dask_monarch: %s did not end within %s s of the session's end",
+                               self.thread.name, self.JOIN_TIMEOUT)
+
+    def _notify(self, _=None) -> None:
+        with self._wake:
+            self._wake.notify_all()
 
     def _run(self) -> None:
         done, chunks, wake = self._done, self._chunks, self._wake
@@ -158,11 +170,13 @@ class Answers:
             return got[0]
 
         pending = asyncio.run_coroutine_threadsafe(gather(), client.loop.asyncio_loop)
+        pending.add_done_callback(self._notify)  # wakes the wait below, as ``stop`` does
         while True:
-            try:
-                return pending.result(timeout=self.SLICE)
-            except concurrent.futures.TimeoutError:
-                pass
+            with self._wake:
+                if not pending.done() and not self._stopped.is_set():
+                    self._wake.wait(self.SLICE)
+            if pending.done():
+                return pending.result()
             status = future.status
             lost = status != "finished"
             if lost or self._stopped.is_set() or self._session.failure is not None:

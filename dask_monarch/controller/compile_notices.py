@@ -14,6 +14,7 @@ import warnings
 import weakref
 
 from ..protocol.session_id import compile_topic
+from .topics import unsubscribe
 
 __all__ = ["BACKENDS", "fallbacks", "warn_fallbacks", "watch"]
 
@@ -45,10 +46,7 @@ def _forget(sid: str, session) -> None:
         _sessions.pop(sid, None)
         for key in [k for k in _owners if k[0] == sid]:
             del _owners[key]
-    try:
-        session.client.unsubscribe_topic(compile_topic(sid))
-    except Exception:  # the client closed already
-        pass
+    unsubscribe(session.client, compile_topic(sid))
 
 
 def _handler(sid: str):

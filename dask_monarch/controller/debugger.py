@@ -18,6 +18,8 @@ import concurrent.futures
 import queue
 import sys
 
+from .topics import unsubscribe
+
 __all__ = ["Debugger"]
 
 #: what ``serve`` reads a command with (tests replace it)
@@ -48,11 +50,8 @@ class Debugger:
             pass
 
     def close(self) -> None:
-        """Stop listening (the session ended)."""
-        try:
-            self._session.client.unsubscribe_topic(self.topic)
-        except Exception:  # the client is closing
-            pass
+        """Stop listening (the session ended): the Client keeps no handler that reaches the session."""
+        unsubscribe(self._session.client, self.topic)
 
     def serve(self) -> None:
         """Drive every rank stopped in pdb, one after the other, until none is stopped and no message waits.

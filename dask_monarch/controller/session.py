@@ -334,8 +334,8 @@ class Session(Transport, Bookkeeping, Liveness):
 
     # ------------------------------------------------------------------------------------------------- exit
     def stop(self) -> None:
-        """Close the session on the controller only: later use raises, the flusher and answers threads end, its
-        tasks still pending are cancelled and the finished ones released (the workers keep a task's result while
+        """Close the session on the controller only: later use raises, the flusher and answers threads end (joined:
+        nothing of the session is held by a thread after it), its tasks still pending are cancelled and the finished ones released (the workers keep a task's result while
         the controller holds its future), nothing more is sent (``close`` drains the workers first; attach uses
         this alone when it fails half-way)."""
         self.closed = True
@@ -349,7 +349,10 @@ class Session(Transport, Bookkeeping, Liveness):
                 logger.debug("dask_monarch: session %s: a release at stop failed", self._key, exc_info=True)
         if self.channels is not None:
             self.channels.close()
-        self._answers.stop()
+        self._answers.stop()  # joins its thread
+        flusher = self._flusher
+        if flusher.is_alive() and threading.current_thread() is not flusher:
+            flusher.join(self._answers.JOIN_TIMEOUT)  # woken above (``_wake``): it sees ``closed`` and returns
         with self.lock:
             for inflight in self._inflight:
                 inflight.clear()
