@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 
 from distributed import get_worker, secede
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -42,6 +43,9 @@ END_SESSION_OP = "monarch-end-session"
 #: the key of dask_monarch's numbers in ``worker.metrics`` (sent with every heartbeat; ``worker/metrics.py``)
 METRICS_KEY = "monarch"
 _CLOSED_MEMORY = 1024
+#: seconds a closing worker waits for its session threads to end (``join_session_threads``): less than the 4 s
+#: to 5 s a closing nanny gives its worker process before it kills it
+TEARDOWN_JOIN = 3.0
 #: seconds a sync task waits for the answer channel's pushes under way to be acknowledged (``Outbox.for_task``)
 SETTLE = 2.0
 
@@ -141,7 +145,10 @@ class MonarchWorkerPlugin(WorkerPlugin):
 
         threading.Thread(target=end, name=f"monarch-{session_tag(session_id)}-end", daemon=True).start()
 
-    def teardown(self, worker) -> None:
+    def teardown(self, worker):
+        """The worker closes (or the plugin is removed): fail and close every session here, then wait, off the event
+        loop, up to ``TEARDOWN_JOIN`` seconds for this process's session threads to end (``join_session_threads``).
+        Dask awaits the returned coroutine before the worker process goes on to exit."""
         if worker.metrics.get(METRICS_KEY) == self.metrics:
             del worker.metrics[METRICS_KEY]
         prometheus.unregister(self)
@@ -150,6 +157,7 @@ class MonarchWorkerPlugin(WorkerPlugin):
         for tw in list(self.sessions.values()):
             tw.fail("the Dask worker is shutting down")
             tw.close(join_timeout=1.0)
+        return asyncio.to_thread(join_session_threads, TEARDOWN_JOIN)
 
     def tensor_worker(self, params) -> TensorWorker | None:
         """The session's ``TensorWorker``, created on first use; None if the session already ended here, or if it
@@ -198,6 +206,26 @@ class MonarchWorkerPlugin(WorkerPlugin):
     def _trim_closed(self) -> None:
         while len(self.closed) > _CLOSED_MEMORY:
             self.closed.pop(next(iter(self.closed)))
+
+
+def join_session_threads(timeout: float) -> list[str]:
+    """Wait up to ``timeout`` seconds for every session thread of this process (named ``monarch-...``: streams,
+    dispatchers, answer sockets, relays, pipes, the threads that end sessions) to end; returns the names of those
+    still running then.
+
+    A thread that closes a session drops its process groups (``Comms.abort``/``shutdown``); pybind11 runs
+    ``ProcessGroupGloo``'s destructor with the GIL released (torch 2.13: ``IntrusivePtrNoGilDestructor``). If the
+    interpreter finalizes meanwhile (the worker's close returned), CPython before 3.14 ends that daemon thread with
+    ``pthread_exit`` as it takes the GIL back, whose unwinding through the destructor's ``noexcept`` frames aborts
+    the process: "terminate called without an active exception" (seen in a worker whose controller closed its
+    Client and exited at once; the end thread's close was still under way, and the teardown's own ``close``
+    returned at once, since the session was closing already)."""
+    deadline = time.monotonic() + timeout
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not me and thread.name.startswith("monarch-"):
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threading.enumerate() if t is not me and t.name.startswith("monarch-") and t.is_alive()]
 
 
 def session_state(session_id: str, dask_worker=None) -> dict:
