@@ -222,6 +222,10 @@ def test_a_fetched_value_reads_locally_under_activate(mesh2x2):
         assert local.numpy().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
         assert np.asarray(local).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
         assert isinstance(local + 1, dm.Tensor)
+        with pytest.raises(TypeError, match=r"under mesh\.activate\(\) a torch op on a local tensor \(a fetched value"):
+            local[0, 1].item()  # Monarch's rule: the indexing ran on the mesh; the error says so
+        with dm.no_mesh.activate():
+            assert local[0, 1].item() == 1.0
         with pytest.raises(TypeError, match=r"aten\.equal\.default: its result depends on the tensors' values"):
             torch.equal(remote, remote)
         with pytest.raises(TypeError, match=r"aten\.nonzero\.default: its output's shape depends"):
