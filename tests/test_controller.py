@@ -430,6 +430,19 @@ def test_deepcopy_of_a_module_with_remote_parameters(mesh2x2):
     assert dm.fetch_shard(out).result(timeout=TIMEOUT).shape == (3, 1, 8)
 
 
+def test_a_program_that_sets_the_default_dtype_ends_without_a_failure(client2):
+    """The session's own ``torch.set_default_dtype`` call on the workers (``Session.follow_default_dtype``) returns
+    None, one leaf: it is sent with ``results=[None]`` (spec §2 CallFunction step 4: no tensor outputs gives
+    ``[None]``), so it is no "unexpected number of returns" failure that ``mesh.exit()`` would raise."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with dm.attach(client2, dims={"dp": 2}) as mesh, mesh.activate():
+            assert fetch(torch.ones(2), dp=1).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_default_dtype_follows_the_controller(mesh2x2):
     """``torch.set_default_dtype`` on the controller reaches the workers (``Session.follow_default_dtype``): the
     fetched values have the dtype the controller's tensors say, and the default goes back afterwards."""
