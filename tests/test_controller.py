@@ -233,6 +233,21 @@ def test_a_fetched_value_reads_locally_under_activate(mesh2x2):
     assert torch.equal(local, torch.arange(6, dtype=torch.float64).reshape(2, 3))
 
 
+def test_reading_a_remote_value_on_the_controller_says_to_fetch_it(mesh2x2):
+    """``tolist()``, ``numpy()`` and ``np.asarray`` of a remote tensor raise the ``TypeError`` that ``item()`` and
+    ``bool()`` raise, naming the call (torch's own said "not supported for tensor subclasses")."""
+    np = pytest.importorskip("numpy")
+    with mesh2x2.activate():
+        t = torch.arange(4.0)
+    for read, name in ((t.tolist, "tolist()"), (t.numpy, "numpy()"), (lambda: np.asarray(t), "numpy()")):
+        with pytest.raises(TypeError, match=rf"^{re.escape(name)}: the value of a remote dask_monarch\.Tensor is "
+                                            r"not on the controller.*fetch it with dask_monarch\.inspect"):
+            read()
+    with pytest.raises(TypeError, match="fetch it with dask_monarch.inspect"):
+        bool(t[0])
+    assert fetch(t).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_torch_tensor(mesh2x2):
     with mesh2x2.activate():
         t = torch.tensor([1, 2, 4])
