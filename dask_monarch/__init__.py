@@ -54,6 +54,7 @@ from .opaque_module import OpaqueModule
 from . import gradient_generator  # noqa: F401 (Monarch's module path: dask_monarch.gradient_generator)
 from . import builtins, random  # noqa: F401 (Monarch's monarch.builtins and monarch.random)
 from . import cached_remote_function  # noqa: F401 (Monarch's monarch.cached_remote_function.remote_autograd_function)
+from . import actor, mesh_controller  # noqa: F401 (Monarch's monarch.actor and monarch.mesh_controller)
 
 
 def dask_setup(server) -> None:

@@ -207,6 +207,26 @@ def test_rref_actor(mesh):
         assert dm.inspect(t.sum()).item() == 3 * 4 * 4
 
 
+def test_a_slice_of_the_actors_runs_on_its_ranks_only(mesh):
+    """Monarch's ``ActorMesh.slice`` (its docs/source/examples/getting_started.py:
+    ``counters.slice(gpus=slice(0, 4)).increment.broadcast()``): a call through a slice reaches its ranks only, in
+    order with the others; a one-actor slice answers ``call_one()`` without coordinates; ``stop()`` of a slice
+    stops the spawn."""
+    counter = mesh.spawn(Counter)
+    one = counter.slice(dp=1)
+    assert one.incr.call_one(0).result(timeout=TIMEOUT) == 0
+    counter.slice(dp=slice(1, 2)).incr.broadcast(0)
+    with mesh.activate():
+        x = mesh.rank("dp") + torch.zeros(())
+        assert list(counter.slice(dp=slice(0, 2)).incr.call(x).result(timeout=TIMEOUT).values()) == [0, 2]
+        assert list(one.incr.call(x).result(timeout=TIMEOUT).values()) == [3]
+    with pytest.raises(IndexError):
+        counter.slice(dp=2)
+    one.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        counter.incr.call(0)
+
+
 # ------------------------------------------------------------------------------------------ ordering, mutation
 def test_a_hundred_actor_calls_interleaved_with_tensor_ops_keep_their_order(mesh):
     """Each ``push`` sees the value the ops before it made and none made after; a declared in-place write by

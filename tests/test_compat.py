@@ -28,6 +28,20 @@ def offline_mesh(sizes, names) -> DeviceMesh:
 
 
 # ------------------------------------------------------------------------------------ shapes, without a cluster
+def test_monarchs_module_paths_give_the_same_objects():
+    """A Monarch program's imports with ``monarch`` renamed (docs/coming-from-monarch.md): Monarch's
+    ``python/tests/test_tensor_engine.py`` takes ``Actor``, ``as_endpoint``, ``endpoint`` from ``monarch.actor``,
+    ``spawn_tensor_engine`` from ``monarch.mesh_controller`` and matches ``monarch.mesh_controller.RemoteException``
+    after ``import monarch`` alone."""
+    from dask_monarch.actor import Actor, Future, Point, ValueMesh, as_endpoint, endpoint
+    from dask_monarch.mesh_controller import RemoteException, spawn_tensor_engine
+
+    assert (Actor, as_endpoint, endpoint, ValueMesh) == (dm.Actor, dm.as_endpoint, dm.endpoint, dm.ValueMesh)
+    assert Future is dm.MonarchFuture and Point.__name__ == "Point"
+    assert (spawn_tensor_engine, RemoteException) == (dm.spawn_tensor_engine, dm.RemoteException)
+    assert dm.mesh_controller.RemoteException is dm.RemoteException and dm.actor.Actor is dm.Actor
+
+
 def test_calling_a_mesh_is_the_deprecated_slice():
     mesh = offline_mesh([2, 3, 4], ("a", "b", "c"))
     with pytest.warns(DeprecationWarning, match="mesh.slice"):

@@ -222,11 +222,30 @@ def test_a_fetched_value_reads_locally_under_activate(mesh2x2):
         assert local.numpy().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
         assert np.asarray(local).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
         assert isinstance(local + 1, dm.Tensor)
+        with pytest.raises(TypeError, match=r"under mesh\.activate\(\) a torch op on a local tensor \(a fetched value"):
+            local[0, 1].item()  # Monarch's rule: the indexing ran on the mesh; the error says so
+        with dm.no_mesh.activate():
+            assert local[0, 1].item() == 1.0
         with pytest.raises(TypeError, match=r"aten\.equal\.default: its result depends on the tensors' values"):
             torch.equal(remote, remote)
         with pytest.raises(TypeError, match=r"aten\.nonzero\.default: its output's shape depends"):
             torch.nonzero(remote)
     assert torch.equal(local, torch.arange(6, dtype=torch.float64).reshape(2, 3))
+
+
+def test_reading_a_remote_value_on_the_controller_says_to_fetch_it(mesh2x2):
+    """``tolist()``, ``numpy()`` and ``np.asarray`` of a remote tensor raise the ``TypeError`` that ``item()`` and
+    ``bool()`` raise, naming the call (torch's own said "not supported for tensor subclasses")."""
+    np = pytest.importorskip("numpy")
+    with mesh2x2.activate():
+        t = torch.arange(4.0)
+    for read, name in ((t.tolist, "tolist()"), (t.numpy, "numpy()"), (lambda: np.asarray(t), "numpy()")):
+        with pytest.raises(TypeError, match=rf"^{re.escape(name)}: the value of a remote dask_monarch\.Tensor is "
+                                            r"not on the controller.*fetch it with dask_monarch\.inspect"):
+            read()
+    with pytest.raises(TypeError, match="fetch it with dask_monarch.inspect"):
+        bool(t[0])
+    assert fetch(t).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_torch_tensor(mesh2x2):
@@ -424,6 +443,19 @@ def test_deepcopy_of_a_module_with_remote_parameters(mesh2x2):
     with dm.no_mesh.activate():
         assert torch.equal(a, b + 1)
     assert dm.fetch_shard(out).result(timeout=TIMEOUT).shape == (3, 1, 8)
+
+
+def test_a_program_that_sets_the_default_dtype_ends_without_a_failure(client2):
+    """The session's own ``torch.set_default_dtype`` call on the workers (``Session.follow_default_dtype``) returns
+    None, one leaf: it is sent with ``results=[None]`` (spec §2 CallFunction step 4: no tensor outputs gives
+    ``[None]``), so it is no "unexpected number of returns" failure that ``mesh.exit()`` would raise."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with dm.attach(client2, dims={"dp": 2}) as mesh, mesh.activate():
+            assert fetch(torch.ones(2), dp=1).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(before)
 
 
 def test_default_dtype_follows_the_controller(mesh2x2):

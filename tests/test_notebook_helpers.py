@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import dask_monarch as dm
+from dask_monarch.builtins.cuda import device_count, empty_cache, is_available, memory_allocated, memory_reserved
 from dask_monarch.builtins.log import log_remote, set_logging_level_remote
+from dask_monarch.builtins.misc import get_default_dtype_remote, set_default_dtype_remote
 from dask_monarch.builtins.random import (
     get_rng_state_all_cuda_remote,
     get_rng_state_remote,
@@ -172,6 +174,30 @@ def test_builtin_seeds_and_states(mesh):
     assert torch.equal(t4, t5) and state.dtype == torch.uint8
     assert not torch.equal(t6, t7)
     assert cuda_states == []  # CPU workers
+
+
+def test_builtin_default_dtype_and_cuda_queries(mesh):
+    """Monarch's ``python/tests/builtins/test_misc.py`` (the default dtype set on the ranks and the controller, read
+    back as values) and ``test_cuda.py`` on CPU workers (no device: counts 0, ``empty_cache`` does nothing)."""
+    before = torch.get_default_dtype()
+    try:
+        with mesh.activate():
+            original = get_default_dtype_remote()
+            set_default_dtype_remote(torch.float64)
+            t1 = torch.tensor([1.0])
+            middle = get_default_dtype_remote()
+            set_default_dtype_remote(torch.float32)
+            t2 = torch.tensor([1.0])
+            final = get_default_dtype_remote()
+            empty_cache()
+            counts = (device_count(), is_available(), memory_allocated(), memory_reserved())
+            values = fetch((t1, t2, original, middle, final, counts), host=1, gpu=1)
+    finally:
+        torch.set_default_dtype(before)
+    t1, t2, original, middle, final, counts = values
+    assert (t1.dtype, t2.dtype) == (torch.float64, torch.float32)
+    assert (original, middle, final) == (torch.float32, torch.float64, torch.float32)
+    assert [c.item() for c in counts] == [0, 0, 0, 0] and counts[0].dtype == torch.int64
 
 
 def test_log_remote_logs_on_every_rank_at_the_level_set(mesh, caplog):

@@ -5,6 +5,8 @@ DESIGN.md "Decisions": a real ``torch.distributed`` ProcessGroup, non-members sk
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import pytest
 import torch
@@ -191,3 +193,102 @@ def test_a_dropped_group_is_released_on_the_workers(mesh2x2, v, client4):
     gc.collect()
     fetch(v)  # a round trip: the DeleteRefs and the streams' release have run
     assert sum(client4.run(_registered).values()) == before
+
+
+class _StepDict(dict):
+    """A process group table that stops the thread ``stepped`` after each of its reads and writes until
+    ``resume()``: the lookups of another thread can then be made between any two steps of an update."""
+
+    def __init__(self, items, stepped: threading.Thread | None = None):
+        super().__init__(items)
+        self.stepped = stepped
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def _step(self):
+        if threading.current_thread() is self.stepped:
+            self.paused.set()
+            assert self.go.wait(TIMEOUT), "the test did not resume the stepped thread"
+            self.go.clear()
+
+    def resume(self):
+        self.paused.clear()
+        self.go.set()
+
+    def get(self, *a):
+        out = super().get(*a)
+        self._step()
+        return out
+
+    def pop(self, *a):
+        out = super().pop(*a)
+        self._step()
+        return out
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        self._step()
+        return out
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._step()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._step()
+
+    def __contains__(self, key):
+        out = super().__contains__(key)
+        self._step()
+        return out
+
+
+def test_a_call_looking_its_group_up_during_the_groups_delete_always_finds_it():
+    """The dispatcher handles a group's ``DeleteRefs`` while a stream runs a call queued before it (the controller
+    drops a temporary group right after the call). The stream's lookup (``ProcessGroups.for_call``), made between
+    every two steps of the delete, gets the group: before the fix the delete moved the group from one table to
+    another, and a lookup between the two steps found neither and handed the call ``NON_GROUP_MEMBER``, so that
+    rank skipped its all-reduce and released the group under its peer ("Connection closed by peer" there; two
+    sessions' stress loops on one cluster, 2026-12-06). Once the stream passes the delete, the group is gone."""
+    import pickle
+
+    from dask_monarch.protocol import (CreateDeviceMesh, CreateRemoteProcessGroup, CreateStream, Ref,
+                                       RequestStatus, Slice, StreamCreationMode, StreamRef)
+    from dask_monarch.worker.process_group import NON_MEMBER
+    from dask_monarch.worker.tensor_worker import TensorWorker
+
+    tw = TensorWorker(None, "test-pg-delete-lookup", 0, 1)
+    try:
+        tw.inbox.put(0, [pickle.dumps([CreateStream(StreamRef(0), StreamCreationMode.UseDefaultStream),
+                                       CreateDeviceMesh(Ref(1), ["x"], Slice(0, [1], [1])),
+                                       CreateRemoteProcessGroup(Ref(2), Ref(1), ["x"]),
+                                       RequestStatus(3, False)])])
+        tw.wait_status(3)
+        assert tw.failure is None, tw.failure
+        pgs = tw.process_groups
+        group = object()  # stands for this rank's ProcessGroup of stream 0 (what SplitCommForProcessGroup builds)
+        pgs.groups[2].per_stream[0] = (group, None)
+        stream = tw.streams[0]
+        deleter = threading.Thread(target=pgs.delete, args=(2,), name="dispatcher's delete")
+        pgs.groups = table = _StepDict(pgs.groups, deleter)
+        deleter.start()
+        seen = []
+        while True:
+            while not table.paused.wait(0.05):
+                if not deleter.is_alive():
+                    break
+            if not table.paused.is_set():
+                break
+            seen.append(pgs.for_call([Ref(2)], 0, "CallFunction 4")[2])
+            table.resume()
+        deleter.join(TIMEOUT)
+        seen.append(pgs.for_call([Ref(2)], 0, "CallFunction 4")[2])
+        assert seen and all(g is group for g in seen), seen
+        stream.flush()  # the stream passes the delete (the dispatcher flushes its streams after each batch)
+        deadline = time.monotonic() + TIMEOUT
+        while 2 in dict.keys(table) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pgs.for_call([Ref(2)], 0, "CallFunction 5")[2] is NON_MEMBER
+    finally:
+        tw.close()

@@ -7,6 +7,7 @@ host, so one relay serves them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,34 @@ def test_a_fetch_waits_for_a_rank_that_is_still_busy(client4):
             assert dm.inspect(x, dp=0).tolist() == [0.0, 0.0]  # every rank idle again, and heard from
         after = _handed_over(client4, mesh)
         assert after[0]["noted"] == mid[0]["noted"] and all(after[r]["noted"] > mid[r]["noted"] for r in (1, 2, 3))
+
+
+def _hold_on(x, rank, path):
+    """``x``, once ``path`` exists (120 s at most) on rank 2, at once elsewhere."""
+    if int(rank) == 2:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return x
+
+
+def test_a_fetch_that_runs_out_of_time_names_the_busy_rank_not_those_its_relay_holds_back(client4, tmp_path):
+    """The relay sends its host's lowest Status, so ranks 0, 1 and 3 (idle) look as late as rank 2 (busy) to the
+    controller; the TimeoutError names rank 2 alone, with what it is busy on, and lists the others as passed."""
+    release = tmp_path / "release"
+    with dm.attach(client4, dims={"dp": 4}) as mesh:
+        try:
+            with mesh.activate():
+                x = mesh.rank("dp") + torch.zeros(2)
+                dm.remote(_hold_on, propagate=lambda x, r, p: x)(x, mesh.rank("dp"), str(release))
+            with pytest.raises(TimeoutError) as info:
+                dm.fetch_shard(x, dp=0).result(timeout=5)
+        finally:
+            release.touch()
+    headline = str(info.value).splitlines()[0]
+    assert re.search(r"from rank 2 \(tcp://[^)]+\) on CallFunction seq \d+: \S*_hold_on \(main, busy", headline), headline
+    assert "rank(s) 0, 1, 3 passed it" in headline, headline
+    assert not re.search(r"rank [013] \(tcp", str(info.value)), str(info.value)
 
 
 def test_a_quiet_rank_whose_worker_was_killed_is_not_answered_for():

@@ -479,3 +479,48 @@ def test_a_bad_controller_gc_threshold_fails_attach_naming_it_and_changes_nothin
     with dm.attach(client1, dims={"workers": 1}, comm_timeout=60) as mesh:  # the next session runs
         with mesh.activate():
             assert dm.inspect(torch.ones(1) + 1).tolist() == [2.0]
+
+
+def _all_reduce(x, pg):
+    import torch.distributed as dist
+
+    y = x.clone()
+    dist.all_reduce(y, group=pg)
+    return y
+
+
+def test_two_sessions_make_use_and_drop_process_groups_on_the_same_workers(client2):
+    """Two sessions on the same two workers each make a process group, all-reduce through it and drop it at once,
+    many times over and at the same time: every all-reduce of each session counts both of its ranks, none fails
+    (one session's groups, their rendezvous keys, gloo ports and releases never touch the other's). A rank handed
+    ``NON_GROUP_MEMBER`` for a group it is in (the race ``test_process_group.py``'s
+    ``test_a_call_looking_its_group_up_during_the_groups_delete_always_finds_it`` pins down) would show here as a
+    value missing its peer's part or as "Connection closed by peer" on the peer."""
+    rounds = 20
+    results, errors = {}, []
+
+    def run(base):
+        try:
+            with dm.attach(client2, dims={"workers": 2}, comm_timeout=60) as mesh:
+                with mesh.activate():
+                    x = dm.remote(fill)(mesh.rank("workers") + base)
+                    outs = []
+                    for _ in range(rounds):
+                        pg = mesh.process_group("workers")
+                        outs.append(dm.remote(_all_reduce)(x, pg))
+                        mesh._session.flush()  # the call in one batch, its group's DeleteRefs in the next
+                        del pg
+                        gc.collect()  # the group's handle dies now (a cycle may hold it)
+                        mesh._session.flush()
+                results[base] = [dm.fetch_shard(o, workers=i % 2).result(timeout=TIMEOUT) for i, o in enumerate(outs)]
+        except Exception as e:  # reported by the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(base,)) for base in (10, 100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors
+    for base in (10, 100):
+        assert [float(r[0]) for r in results[base]] == [2.0 * base + 1] * rounds, (base, results[base])

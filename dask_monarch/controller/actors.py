@@ -221,6 +221,7 @@ class ActorMesh:
         self._base = base
         self._futures = futures
         self._stopped = False
+        self._root = self  # the ActorMesh of the spawn (``slice`` makes views of it)
         #: the Dask ``Actor`` proxies, one per rank in the mesh's rank order. Calling one directly runs the method
         #: on Dask's actor thread, outside the mesh's order, without mesh tensors (``worker/actors.py``)
         self.actors = proxies
@@ -232,7 +233,7 @@ class ActorMesh:
 
     def endpoint_of(self, name: str) -> "Endpoint":
         """The ``Endpoint`` of method ``name``: ``actors.name`` unless the name is one of ``ActorMesh``'s own
-        (``mesh``, ``cls``, ``actors``, ``stop``, ``endpoint_of``). ``AttributeError`` if the class has no such
+        (``mesh``, ``cls``, ``actors``, ``slice``, ``stop``, ``endpoint_of``). ``AttributeError`` if the class has no such
         method."""
         attr = getattr(self.cls, name, None)
         if attr is None or not callable(attr):
@@ -240,15 +241,29 @@ class ActorMesh:
         propagate, mutates = getattr(attr, _ATTR, (None, ()))
         return Endpoint(self, name, propagate, mutates)
 
+    def slice(self, **selection) -> "ActorMesh":
+        """The actors of the ranks that ``selection`` keeps, as ``DeviceMesh.slice`` selects them (Monarch's
+        ``ActorMesh.slice``: ``actors.slice(gpu=0)``, ``actors.slice(gpu=slice(0, 4))``): calls through it run on
+        those ranks only (``call`` gives a ``ValueMesh`` over the slice's dims; on one rank, ``call_one()`` needs no
+        coordinates), in order with every other call. ``stop()`` of a slice stops every actor of the spawn. Raises
+        ``KeyError`` for an unknown dimension, ``IndexError`` for an out-of-range coordinate."""
+        root = self._root
+        mesh = self.mesh.slice(**selection)
+        proxies = [root.actors[root.mesh._rank_list.index(r)] for r in mesh._rank_list]
+        view = ActorMesh(mesh, self.cls, self._base, [], proxies)
+        view._root = root
+        return view
+
     def stop(self, timeout: float = 60.0) -> None:
         """Wait up to ``timeout`` seconds until every rank has run the calls sent so far, then release the Dask
         actors (Dask deletes each instance on its worker, soon after). A later call raises ``RuntimeError``."""
-        session = self.mesh._session
-        self._stopped = True
-        futures, self._futures = self._futures, []
+        root = self._root  # a slice's stop is the spawn's
+        session = root.mesh._session
+        root._stopped = True
+        futures, root._futures = root._futures, []
         try:
             if futures and session.failure is None and not session.closed:
-                session.sync(f"stopping the actors {self._base}").result(timeout=timeout)
+                session.sync(f"stopping the actors {root._base}").result(timeout=timeout)
         finally:
             for fut in futures:
                 fut.release()
@@ -334,7 +349,7 @@ class Endpoint:
 
     def _send(self, args, kwargs, make, outputs: bool, ranks=None):
         actors = self._actors
-        if actors._stopped:
+        if actors._root._stopped:
             raise RuntimeError(f"{self._what}: the actors were stopped (ActorMesh.stop())")
         leaves, spec = tree_flatten((args, kwargs))
         mesh = _mesh_of(leaves, actors.mesh)

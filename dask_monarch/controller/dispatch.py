@@ -32,7 +32,7 @@ from .local import is_propagating, propagating
 from .mesh import frontend, get_active_mesh
 from .remote import call_on_mesh
 from .stream import check_access
-from .tensor import OPERATORS, Tensor, note_type_error
+from .tensor import OPERATORS, Tensor, note_type_error, value_not_here
 
 __all__ = ["MeshDispatchMode", "assign_data", "operator_call", "run_op", "skip_dynamo"]
 
@@ -65,10 +65,7 @@ def run_op(func, args, kwargs, mesh=None, entry=None):
     """Run ``func(*args, **kwargs)`` on the mesh of its remote tensors (else ``mesh``, else the active mesh);
     ``entry`` is ``func``'s ``_ops`` entry if the caller has it."""
     if func is _LOCAL_SCALAR:
-        raise TypeError(
-            "the value of a remote dask_monarch.Tensor is not on the controller (bool(), item(), int() and "
-            "control flow on it need it); fetch it with dask_monarch.inspect(t) or fetch_shard(t).result()"
-        )
+        raise value_not_here()
     path, name, _ = entry or _ops.get(func) or _op(func)
     try:
         return call_on_mesh(path, name, func, args, kwargs, mesh, func)

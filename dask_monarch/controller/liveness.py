@@ -77,25 +77,38 @@ class Liveness:
 
     def describe_pending(self, seq: int, diagnose: bool = False) -> str:
         """Which ranks have not answered ``Status`` past ``seq``; with ``diagnose``, how long ago each sent the
-        scheduler a heartbeat and what its worker reports about this session (inbox position, stream queues,
-        failure). Every question is bounded (``PROBE_TIMEOUT``): a stopped worker is named, not waited for."""
+        scheduler a heartbeat, what its worker reports about this session (inbox position, stream queues,
+        failure) and what it is busy on. Every question is bounded (``PROBE_TIMEOUT``): a stopped worker is named,
+        not waited for.
+
+        A host's relay sends the controller its ranks' lowest ``Status`` (``worker/relay.py``), so one busy rank
+        holds back the answers of every rank of its host. With ``diagnose``, a rank whose worker says it has passed
+        ``seq`` (``session_state``'s ``status_seq``) is told apart from those that have not: only these are named
+        as not answering (with what they are busy on), the others listed as passed."""
         late = [r for r in range(self.world_size) if self.history.first_incomplete[r] <= seq]
-        who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
-        text = f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
-        if diagnose and late:
-            addresses = [self.workers[r] for r in late]
-            try:
-                ages = self._worker_ages(self.PROBE_TIMEOUT)[0]
-            except Exception:
-                ages = {}
-            states = self._probe_workers(addresses)
-            sent = {self.workers[r]: self._batch_seq[r] for r in late}
-            for address in addresses:
-                age = ages.get(address)
-                beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
-                state = states[address]
-                text += (f"\n  {address}: {beat}{state if isinstance(state, str) else repr(state)}; "
-                         f"batches sent to it: {sent.get(address)}")
+        if not (diagnose and late):
+            who = ", ".join(f"rank {r} ({self.workers[r]})" for r in late)
+            return f"no Status past seq {seq} from {who or 'nobody (answers are being processed)'}"
+        try:
+            ages = self._worker_ages(self.PROBE_TIMEOUT)[0]
+        except Exception:
+            ages = {}
+        states = self._probe_workers([self.workers[r] for r in late])
+        passed = [r for r in late if isinstance(states[self.workers[r]], dict)
+                  and states[self.workers[r]].get("status_seq", 0) > seq]
+        waiting = [r for r in late if r not in passed]
+        who = ", ".join(f"rank {r} ({self.workers[r]}) {_busy_text(states[self.workers[r]])}" for r in waiting)
+        text = f"no Status past seq {seq} from {who or 'nobody any more (the answers were on their way)'}"
+        if passed:
+            text += (f"; rank(s) {', '.join(map(str, passed))} passed it on their workers (their answers wait in "
+                     "their host's relay for its slowest rank, or were on their way)")
+        for r in waiting:
+            address = self.workers[r]
+            age = ages.get(address)
+            beat = "" if age is None else f"last heartbeat {age:.1f} s ago; "
+            state = states[address]
+            text += (f"\n  {address}: {beat}{state if isinstance(state, str) else repr(state)}; "
+                     f"batches sent to it: {self._batch_seq[r]}")
         return text
 
     def describe_busy(self, seq: int) -> str:

@@ -258,7 +258,8 @@ class Session(Transport, Bookkeeping, Liveness):
             self.default_dtype = dtype
             seq = self.new_seq()
             self.record(seq, defs=[], uses=[], what="torch.set_default_dtype")
-            self.send(CallFunction(seq, (), (), _SET_DEFAULT_DTYPE, ArgsKwargs((dtype,), {}), stream_ref, ()))
+            # it returns None: one leaf, so results=[None] (spec §2 CallFunction step 4)
+            self.send(CallFunction(seq, (None,), (), _SET_DEFAULT_DTYPE, ArgsKwargs((dtype,), {}), stream_ref, ()))
 
     def sync(self, describe: str, on_done=None, exit_after: bool = False, kind: str = "status") -> MonarchFuture:
         """Flush, then ``RequestStatus`` on every rank. The returned future resolves once every rank has answered

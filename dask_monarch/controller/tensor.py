@@ -16,16 +16,31 @@ import traceback
 import torch
 
 from ..protocol import Ref
-from .mesh import frontend
+from .mesh import frontend, get_active_mesh
 from .propagation import fake_view
 from .storage import Storage, storage_of
 from .dynamo_skip import skip_dynamo
 
-__all__ = ["Tensor"]
+__all__ = ["Tensor", "value_not_here"]
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
+
+
+def value_not_here(what: str = "") -> TypeError:
+    """The ``TypeError`` of reading a remote tensor's value on the controller (``what``: the call, e.g.
+    ``"tolist()"``, put first), saying why under ``mesh.activate()`` (Monarch's ``_ActiveMesh`` runs every op on a
+    local tensor but ``_local_scalar_dense`` on the mesh, so a fetched value indexed there is remote again)."""
+    hint = "" if get_active_mesh() is None else (
+        "; under mesh.activate() a torch op on a local tensor (a fetched value too: inspect(t)[0], "
+        "inspect(t).sum()) runs on the mesh and gives a remote tensor, as in Monarch: read a fetched value "
+        "under dask_monarch.no_mesh.activate() or after the block")
+    return TypeError(
+        f"{what + ': ' if what else ''}the value of a remote dask_monarch.Tensor is not on the controller (bool(), "
+        "item(), int(), tolist(), numpy() and control flow on it need it); fetch it with dask_monarch.inspect(t) or "
+        "fetch_shard(t).result()" + hint
+    )
 
 
 def _make(cls, size, stride, offset, dtype, device, requires_grad, layout):
@@ -37,7 +52,8 @@ class Tensor(torch.Tensor):
     """A remote tensor: ``ref`` on ``mesh``'s ranks, on ``stream`` (a ``dask_monarch.Stream``). ``shape``/``dtype``/``device``/``stride()``
     are every rank's; ``_storage`` is the ``Storage`` it views (``storage.py``) and ``_fake`` its fake tensor on
     the controller, made when first needed. Fetch its value with ``dask_monarch.fetch_shard`` or ``inspect``;
-    ``bool(t)`` and ``t.item()`` raise ``TypeError`` (the value is not on the controller)."""
+    ``bool(t)``, ``t.item()``, ``t.tolist()`` and ``t.numpy()`` raise ``TypeError`` (the value is not on the
+    controller)."""
 
     # ops reach __torch_dispatch__ directly; autograd still runs above it on the controller
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -179,6 +195,15 @@ class Tensor(torch.Tensor):
     # ---------------------------------------------------------------------------------------------- plumbing
     def __monarch_ref__(self) -> int:
         return self.ref.id
+
+    def tolist(self):
+        """Raises ``TypeError`` (``value_not_here``): the values are on the ranks (torch's own message for a tensor
+        subclass said only that subclasses are not supported)."""
+        raise value_not_here("tolist()")
+
+    def numpy(self, *, force: bool = False):
+        """Raises ``TypeError`` (``value_not_here``), for ``np.asarray(t)`` too."""
+        raise value_not_here("numpy()")
 
     def __reduce_ex__(self, protocol):
         return (Ref, (self.ref.id,))

@@ -21,7 +21,11 @@ call's stream is a fatal error (the controller always sends the split first).
 
 A group lives until the ``DeleteRefs`` of its ref has passed every stream (calls queued before it still use it)
 or the session ends (``TensorWorker.close``); then its communicators are released and it is unregistered from
-``torch.distributed``.
+``torch.distributed``. The dispatcher marks a group deleted where it lies (``groups``), and the last stream to pass
+the delete takes it out: a stream thread looking a group up meanwhile always finds it. (It was moved from one table
+to another before, and a call running on its stream between the two steps found it in neither and was handed
+``NON_GROUP_MEMBER``: that rank skipped the collective and released the group, and its peer's collective failed
+with gloo's "Connection closed by peer"; seen with two sessions' stress loops on one cluster, 2026-12-06.)
 """
 
 from __future__ import annotations
@@ -82,16 +86,18 @@ def unregister(pg) -> None:
 
 
 class _Group:
-    """The worker's state of one remote process group: its mesh, its sorted dims, and per stream id the
-    ``(ProcessGroup, backend)`` built by ``SplitCommForProcessGroup``."""
+    """The worker's state of one remote process group: its mesh, its sorted dims, per stream id the
+    ``(ProcessGroup, backend)`` built by ``SplitCommForProcessGroup``, and whether its ref was deleted (it stays
+    until every stream has passed the ``DeleteRefs``)."""
 
-    __slots__ = ("ref_id", "mesh", "dims", "per_stream")
+    __slots__ = ("ref_id", "mesh", "dims", "per_stream", "deleted")
 
     def __init__(self, ref_id: int, mesh, dims: tuple):
         self.ref_id = ref_id
         self.mesh = mesh
         self.dims = dims
         self.per_stream: dict = {}
+        self.deleted = False
 
 
 class _Release:
@@ -118,8 +124,9 @@ class ProcessGroups:
 
     def __init__(self, tw):
         self.tw = tw
+        #: every group of the session here, by ref id, deleted ones included until their release (``delete``):
+        #: written by the dispatcher and by the stream that releases a group, read by the streams' calls
         self.groups: dict[int, _Group] = {}
-        self._releasing: dict[int, _Group] = {}  # deleted, waiting for the streams (``delete``)
 
     def create(self, msg) -> None:
         """``CreateRemoteProcessGroup``: remember ``(mesh, sorted dims)`` under ``msg.result`` (spec §5). Fatal for
@@ -146,7 +153,7 @@ class ProcessGroups:
         (a ``StreamWorker``), in message order on every member. Fatal for an unknown group (the controller sends
         it only to the group's mesh) or a second split for the same stream."""
         group = self.groups.get(msg.remote_process_group.id)
-        if group is None:
+        if group is None or group.deleted:
             raise FatalError(
                 f"SplitCommForProcessGroup: invalid remote process group id: {msg.remote_process_group} "
                 "(CreateRemoteProcessGroup must come first, on the ranks of its mesh)"
@@ -176,7 +183,7 @@ class ProcessGroups:
         for ref in refs:
             # a group deleted after this call was sent (the controller dropped it, e.g. a temporary
             # mesh.process_group(...) argument) is still there until every stream has passed its DeleteRefs
-            group = self.groups.get(ref.id) or self._releasing.get(ref.id)
+            group = self.groups.get(ref.id)
             if group is None:  # not in the group's mesh: skipped cleanly
                 found[ref.id] = NON_MEMBER
                 continue
@@ -190,11 +197,16 @@ class ProcessGroups:
         return found
 
     def delete(self, ref_id: int) -> None:
-        """``DeleteRefs`` of a group's ref: release it once every stream has run what was queued before."""
-        group = self.groups.pop(ref_id, None)
-        if group is None or not group.per_stream:
+        """``DeleteRefs`` of a group's ref: release it once every stream has run what was queued before. It stays
+        in ``groups`` (marked deleted) until then, so that a call queued before the delete finds it whenever its
+        stream runs it (see the module's docstring)."""
+        group = self.groups.get(ref_id)
+        if group is None or group.deleted:
             return
-        self._releasing[ref_id] = group
+        group.deleted = True
+        if not group.per_stream:  # never split here: no call can use it
+            self.groups.pop(ref_id, None)
+            return
         streams = list(self.tw.streams.values())
         release = _Release(len(streams), lambda: self._release(group))
         if not streams:
@@ -203,7 +215,7 @@ class ProcessGroups:
             stream.enqueue(release)
 
     def _release(self, group: _Group) -> None:
-        self._releasing.pop(group.ref_id, None)
+        self.groups.pop(group.ref_id, None)
         entries, group.per_stream = list(group.per_stream.values()), {}
         for pg, backend in entries:
             unregister(pg)
@@ -211,8 +223,8 @@ class ProcessGroups:
 
     def close(self) -> None:
         """The session ended: unregister every group (``Comms`` releases or aborts their backends)."""
-        groups = list(self.groups.values()) + list(self._releasing.values())
-        self.groups, self._releasing = {}, {}
+        groups = list(self.groups.values())
+        self.groups = {}
         for group in groups:
             for pg, _ in group.per_stream.values():
                 unregister(pg)
