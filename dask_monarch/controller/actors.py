@@ -249,7 +249,8 @@ class ActorMesh:
         ``KeyError`` for an unknown dimension, ``IndexError`` for an out-of-range coordinate."""
         root = self._root
         mesh = self.mesh.slice(**selection)
-        proxies = [root.actors[root.mesh._rank_list.index(r)] for r in mesh._rank_list]
+        proxy_of = dict(zip(root.mesh._rank_list, root.actors))
+        proxies = [proxy_of[r] for r in mesh._rank_list]
         view = ActorMesh(mesh, self.cls, self._base, [], proxies)
         view._root = root
         return view

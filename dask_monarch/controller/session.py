@@ -336,9 +336,9 @@ class Session(Transport, Bookkeeping, Liveness):
     # ------------------------------------------------------------------------------------------------- exit
     def stop(self) -> None:
         """Close the session on the controller only: later use raises, the flusher and answers threads end (joined:
-        nothing of the session is held by a thread after it), its tasks still pending are cancelled and the finished ones released (the workers keep a task's result while
-        the controller holds its future), nothing more is sent (``close`` drains the workers first; attach uses
-        this alone when it fails half-way)."""
+        nothing of the session is held by a thread after it), its tasks still pending are cancelled and the finished
+        ones released (the workers keep a task's result while the controller holds its future), nothing more is
+        sent (``close`` drains the workers first; attach uses this alone when it fails half-way)."""
         self.closed = True
         self._wake.set()
         self.debugger.close()
